@@ -1,0 +1,178 @@
+"""A total-queue checker (after Jepsen's): insert known events, drain the broker, compare.
+
+Every event carries ``{"key": ordering key, "seq": n}`` in its payload so the checker can tell
+lost, unexpected and duplicated deliveries apart and find order violations per key.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import psycopg
+from psycopg import sql
+
+from relay.queries import Tables
+
+
+@dataclass
+class Delivery:
+    message_id: str
+    key: str | None
+    seq: int | None
+
+
+@dataclass
+class Report:
+    produced: int
+    delivered: int
+    lost: list[str]
+    unexpected: list[str]
+    duplicated: dict[str, int]  # message id -> copies beyond the first
+    order_violations: dict[str, int]  # ordering key -> deliveries out of insert order
+    left_in_outbox: int
+    dead_lettered: int
+    in_doubt: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(self.duplicated.values())
+
+    def ok(self, *, max_duplicates: int = 0, dead_letter_expected: int = 0) -> bool:
+        return (
+            not self.lost
+            and not self.unexpected
+            and self.duplicates <= max_duplicates
+            and self.left_in_outbox == 0
+            and self.dead_lettered == dead_letter_expected
+            and self.in_doubt == 0
+        )
+
+    def summary(self) -> str:
+        return (
+            f"produced={self.produced} delivered={self.delivered} lost={len(self.lost)} "
+            f"unexpected={len(self.unexpected)} duplicates={self.duplicates} "
+            f"order_violations={sum(self.order_violations.values())} "
+            f"left_in_outbox={self.left_in_outbox} dead_lettered={self.dead_lettered} "
+            f"in_doubt={self.in_doubt}"
+        )
+
+
+def insert_events(
+    conn: psycopg.Connection[Any],
+    table: str,
+    count: int,
+    *,
+    exchange: str,
+    routing_key: str,
+    prefix: str = "ev",
+    keys: int = 16,
+    start: int = 0,
+    per_transaction: int = 1000,
+) -> list[str]:
+    """Insert ``count`` events the way a producer would (plain INSERTs); returns their ids."""
+    outbox = Tables(table).outbox
+    query = sql.SQL(
+        "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
+        "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing_key)s, 'k' || (n %% %(keys)s), "
+        "jsonb_build_object('key', 'k' || (n %% %(keys)s), 'seq', n, 'pad', repeat('x', 160)) "
+        "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n"
+    ).format(outbox)
+    for lo in range(start, start + count, per_transaction):
+        hi = min(lo + per_transaction, start + count) - 1
+        with conn.transaction():
+            conn.execute(query, {"prefix": prefix, "exchange": exchange,
+                                 "routing_key": routing_key, "keys": keys, "lo": lo, "hi": hi})
+    return [f"{prefix}-{n}" for n in range(start, start + count)]
+
+
+def drain(
+    amqp_url: str,
+    queue: str,
+    *,
+    expected: set[str] | None = None,
+    idle_timeout: float = 2.0,
+    total_timeout: float = 120.0,
+) -> list[Delivery]:
+    """Consume ``queue`` until it stays idle (and, given ``expected``, every id arrived)."""
+    deliveries: list[Delivery] = []
+    seen: set[str] = set()
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=2000)
+        deadline = time.monotonic() + total_timeout
+        for method, props, body in channel.consume(queue, inactivity_timeout=idle_timeout):
+            if method is None:
+                if expected is None or expected <= seen or time.monotonic() > deadline:
+                    break
+                continue
+            channel.basic_ack(method.delivery_tag)
+            try:
+                data = json.loads(body)
+            except ValueError:
+                data = {}
+            key = data.get("key") if isinstance(data, dict) else None
+            seq = data.get("seq") if isinstance(data, dict) else None
+            deliveries.append(Delivery(props.message_id, key, seq))
+            seen.add(props.message_id)
+            if time.monotonic() > deadline:
+                break
+        channel.cancel()
+    finally:
+        conn.close()
+    return deliveries
+
+
+def check(
+    produced: list[str],
+    deliveries: list[Delivery],
+    *,
+    conn: psycopg.Connection[Any] | None = None,
+    table: str = "outbox",
+    gid_prefix: str = "outbox",
+) -> Report:
+    """Compare what was produced with what was delivered, and count what is left over."""
+    produced_set = set(produced)
+    copies = Counter(d.message_id for d in deliveries)
+    delivered_set = set(copies)
+    # Order per key: first copies only, in delivery order, must have increasing seq.
+    violations: Counter[str] = Counter()
+    last: dict[str, int] = {}
+    first_seen: set[str] = set()
+    for d in deliveries:
+        if d.message_id in first_seen or d.key is None or d.seq is None:
+            continue
+        first_seen.add(d.message_id)
+        if d.seq < last.get(d.key, -1):
+            violations[d.key] += 1
+        last[d.key] = max(last.get(d.key, -1), d.seq)
+    left = dead = in_doubt = 0
+    if conn is not None:
+        tables = Tables(table)
+        left = _count(conn, sql.SQL("SELECT count(*) FROM {}").format(tables.outbox))
+        dead = _count(conn, sql.SQL("SELECT count(*) FROM {}").format(tables.dead_letter))
+        in_doubt = _count(conn, sql.SQL(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE starts_with(gid, {})"
+        ).format(sql.Literal(gid_prefix + ":")))
+    return Report(
+        produced=len(produced),
+        delivered=len(deliveries),
+        lost=sorted(produced_set - delivered_set),
+        unexpected=sorted(delivered_set - produced_set),
+        duplicated={m: n - 1 for m, n in copies.items() if n > 1},
+        order_violations=dict(violations),
+        left_in_outbox=left,
+        dead_lettered=dead,
+        in_doubt=in_doubt,
+    )
+
+
+def _count(conn: psycopg.Connection[Any], query: sql.Composable) -> int:
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,744 @@
+"""Throwaway PostgreSQL and RabbitMQ servers for tests, the demo and fault injection.
+
+Both run from the installed Debian binaries (no Docker), listen on 127.0.0.1 only, on free
+ports, with every file in a temporary directory. Each can be stopped, killed (a crash) and
+restarted on the same port and data directory, so what was durable survives. Linux only: the
+process bookkeeping reads /proc.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import psycopg
+
+__all__ = ["PostgresServer", "RabbitServer", "ServerError", "free_port"]
+
+_LOOPBACK = "127.0.0.1"
+_TAIL_LINES = 40
+
+
+class ServerError(RuntimeError):
+    """A throwaway server could not be started, stopped or killed; the message ends with its log."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _port_is_free(port: int) -> bool:
+    """Tell whether a server could listen on 127.0.0.1:port now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Both servers set SO_REUSEADDR, so leftover TIME_WAIT connections of a killed server
+        # must not count as "in use" or a restart on the same port would be refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def _tail(path: Path, lines: int = _TAIL_LINES) -> str:
+    """Return the last lines of a log file, or a note saying it cannot be read."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            data = fh.read()
+    except OSError as exc:
+        return f"({path}: {exc.strerror})"
+    text = data.decode("utf-8", errors="replace").splitlines()[-lines:]
+    return "\n".join(text) if text else f"({path} is empty)"
+
+
+def _error(summary: str, logs: list[Path], output: str = "") -> ServerError:
+    """Build a ServerError: one summary line, then any command output and the log tails."""
+    parts = [summary]
+    if output.strip():
+        parts.append("--- command output ---\n" + output.strip())
+    parts.extend(f"--- tail of {log} ---\n{_tail(log)}" for log in logs)
+    return ServerError("\n".join(parts))
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """Return (state, ppid, pgrp) of a process from /proc, or None if it does not exist."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself contain spaces or parentheses.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[1]), int(fields[2])
+
+
+def _alive(pid: int) -> bool:
+    """Tell whether a process still holds resources: it exists and some thread is not dead.
+
+    kill(pid, 0) is no use: it succeeds on a zombie, and our PID 1 may take seconds to reap an
+    orphan (a killed postmaster or beam.smp is one). Nor is the leader's own state: beam.smp's
+    main thread turns zombie while its other threads still exit and hold the listening
+    sockets. So every thread of the process is looked at.
+    """
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            data = Path(f"/proc/{pid}/task/{tid}/stat").read_bytes()
+        except OSError:
+            continue
+        if data[data.rindex(b")") + 2 : data.rindex(b")") + 3] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Return every live descendant of a process."""
+    children: dict[int, list[int]] = {}
+    for other in _all_pids():
+        stat = _proc_stat(other)
+        if stat is not None and _alive(other):
+            children.setdefault(stat[1], []).append(other)
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Return the live processes of a process group."""
+    members = []
+    for pid in _all_pids():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[2] == pgid and _alive(pid):
+            members.append(pid)
+    return members
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll until predicate() is true; return False if the timeout passed first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    """Send a signal, ignoring a process that is already gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+# Servers still running when the interpreter exits are cleaned up, so an aborted test run does
+# not leave a postmaster or a beam.smp behind. Strong references on purpose: an instance the
+# caller forgot must still be reachable here.
+_LIVE: set[PostgresServer | RabbitServer] = set()
+
+
+@atexit.register
+def _cleanup_at_exit() -> None:
+    for server in list(_LIVE):
+        # A forked child inherits this hook; only the process that made the servers owns them.
+        if server._owner_pid == os.getpid():
+            with contextlib.suppress(Exception):
+                server.cleanup()
+
+
+def _make_dir(prefix: str, base_dir: Path | None) -> Path:
+    parent = base_dir if base_dir is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+# --------------------------------------------------------------------------------------------
+# PostgreSQL
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", Path(path).parent.name))
+
+
+def _pg_bindir() -> Path:
+    """Find the directory of initdb/pg_ctl/postgres: pg_config first, else the newest Debian one."""
+    pg_config = shutil.which("pg_config")
+    if pg_config is not None:
+        try:
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if out and (Path(out) / "initdb").is_file():
+            return Path(out)
+    candidates = [d for d in glob.glob("/usr/lib/postgresql/*/bin") if Path(d, "initdb").is_file()]
+    if not candidates:
+        raise ServerError("PostgreSQL binaries not found (no pg_config, no /usr/lib/postgresql/*)")
+    return Path(max(candidates, key=_version_key))
+
+
+def _pg_quote(value: str) -> str:
+    """Quote a postgresql.conf value unless the caller already did."""
+    if len(value) >= 2 and value.startswith("'") and value.endswith("'"):
+        return value
+    return "'" + value.replace("'", "''") + "'"
+
+
+class PostgresServer:
+    """A PostgreSQL server in a temporary directory, trust auth, database "outbox".
+
+    As root the server runs as the ``postgres`` OS user (initdb and postgres refuse root); the
+    temporary directory is then chowned to it, so ``base_dir`` must be traversable by it.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        max_prepared_transactions: int = 64,
+        extra_conf: dict[str, str] | None = None,
+        base_dir: Path | None = None,
+    ) -> None:
+        """Describe the server; nothing is created or started until start()."""
+        self.port: int = port if port is not None else free_port()
+        self.url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/outbox"
+        self.admin_url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/postgres"
+        self.max_prepared_transactions = max_prepared_transactions
+        self.extra_conf = dict(extra_conf or {})
+        self.base_dir = base_dir
+        #: The temporary directory (data/, sock/, postgres.log); None before start/after cleanup.
+        self.directory: Path | None = None
+        self._bindir = _pg_bindir()
+        self._owner_pid = os.getpid()
+        self._as_user: tuple[int, int] | None = None
+        if os.geteuid() == 0:
+            try:
+                pw = pwd.getpwnam("postgres")
+            except KeyError:
+                raise ServerError(
+                    "running as root, but there is no 'postgres' OS user to run PostgreSQL as"
+                ) from None
+            self._as_user = (pw.pw_uid, pw.pw_gid)
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def _dir(self) -> Path:
+        if self.directory is None:
+            raise ServerError("PostgreSQL server has no directory (not started or cleaned up)")
+        return self.directory
+
+    @property
+    def data_dir(self) -> Path:
+        """The cluster's data directory (PGDATA)."""
+        return self._dir() / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        """The directory of the server's unix socket."""
+        return self._dir() / "sock"
+
+    @property
+    def log_path(self) -> Path:
+        """The server log written by pg_ctl -l."""
+        return self._dir() / "postgres.log"
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _run(self, what: str, args: list[str], timeout: float) -> None:
+        """Run a PostgreSQL program as the server's OS user; raise ServerError if it fails."""
+        # PG* variables of the caller (PGPORT, PGDATA...) must not steer our server.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        uid, gid = self._as_user if self._as_user is not None else (None, None)
+        try:
+            proc = subprocess.run(
+                args,
+                cwd=self._dir(),  # the postgres user may not be allowed into the caller's cwd
+                env=env,
+                user=uid,
+                group=gid,
+                extra_groups=[] if self._as_user is not None else None,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise _error(
+                f"PostgreSQL {what} timed out after {timeout:.0f} s", [self.log_path]
+            ) from exc
+        except OSError as exc:
+            raise _error(f"PostgreSQL {what} could not run: {exc}", [self.log_path]) from exc
+        if proc.returncode != 0:
+            raise _error(
+                f"PostgreSQL {what} failed (exit {proc.returncode}) on port {self.port}",
+                [self.log_path],
+                proc.stdout + proc.stderr,
+            )
+
+    @staticmethod
+    def _lock_owner(lock: Path) -> int | None:
+        """Return the live postgres process named on the first line of a lock file, or None."""
+        try:
+            pid = int(lock.read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        # A killed postmaster leaves its lock files behind and the pid may be reused since.
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return pid if b"postgres" in cmdline else None
+
+    def _postmaster_pid(self) -> int | None:
+        """Return the live postmaster's pid, from postmaster.pid, or None."""
+        if self.directory is None:
+            return None
+        return self._lock_owner(self.data_dir / "postmaster.pid")
+
+    @property
+    def running(self) -> bool:
+        """True while the postmaster is alive."""
+        return self._postmaster_pid() is not None
+
+    def _initdb(self) -> None:
+        directory = self._dir()
+        self.socket_dir.mkdir()
+        if self._as_user is not None:
+            for path in (directory, self.socket_dir):
+                os.chown(path, *self._as_user)
+        self._run(
+            "initdb",
+            [
+                str(self._bindir / "initdb"),
+                "-D", str(self.data_dir),
+                "-U", "postgres",  # fixed superuser name whatever OS user runs the server
+                "--auth=trust",
+                "-E", "UTF8",
+                "--locale=C",
+                "--no-sync",  # a throwaway cluster need not be flushed to disk
+            ],
+            timeout=120,
+        )
+        conf = {
+            "listen_addresses": _LOOPBACK,
+            "port": str(self.port),
+            "unix_socket_directories": str(self.socket_dir),
+            "max_prepared_transactions": str(self.max_prepared_transactions),
+            # Only an OS crash loses unsynced data; killing processes (our fault injection)
+            # does not, so fsync is skipped for speed. extra_conf can turn it back on.
+            "fsync": "off",
+            **self.extra_conf,
+        }
+        lines = ["", "# --- devenv.servers ---"]
+        lines += [f"{key} = {_pg_quote(value)}" for key, value in conf.items()]
+        with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.admin_url, connect_timeout=2, autocommit=True):
+                    return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() >= deadline or not self.running:
+                    raise _error(
+                        f"PostgreSQL on port {self.port} not accepting connections: {exc}",
+                        [self.log_path],
+                    ) from exc
+            time.sleep(0.1)
+
+    def _create_database(self) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'outbox'").fetchone()
+            if exists is None:
+                conn.execute("CREATE DATABASE outbox")
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the server (initdb first if needed), wait until it accepts connections."""
+        if self.running:
+            return
+        first = self.directory is None
+        if first:
+            self.directory = _make_dir("outbox-pg-", self.base_dir)
+            _LIVE.add(self)
+            self._initdb()
+        self._remove_stale_locks()  # left by a crash we did not cause, see there
+        if not _port_is_free(self.port):
+            raise _error(f"PostgreSQL port {_LOOPBACK}:{self.port} is already in use", [])
+        self._run(
+            "start",
+            [
+                str(self._bindir / "pg_ctl"), "start",
+                "-D", str(self.data_dir),
+                "-l", str(self.log_path),
+                "-w", "-t", str(int(timeout)),
+                "-s",
+            ],
+            timeout=timeout + 15,
+        )
+        self._wait_ready(timeout)
+        if first:
+            self._create_database()
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server with pg_ctl; mode "immediate" skips the checkpoint (a crash)."""
+        if mode not in ("smart", "fast", "immediate"):
+            raise ValueError(f"unknown pg_ctl stop mode {mode!r}")
+        if not self.running:
+            return
+        self._run(
+            f"stop -m {mode}",
+            [
+                str(self._bindir / "pg_ctl"), "stop",
+                "-D", str(self.data_dir),
+                "-m", mode,
+                "-w", "-t", "60",
+                "-s",
+            ],
+            timeout=75,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and its children (a crash) and wait until they are gone."""
+        pid = self._postmaster_pid()
+        if pid is None:
+            return
+        # Freeze the postmaster first so it cannot fork a child we would miss, then take the
+        # whole tree down: orphaned backends would otherwise linger, keep the shared memory
+        # attached and make the restart fail.
+        _signal(pid, signal.SIGSTOP)
+        victims = [pid, *_descendants(pid)]
+        for victim in victims:
+            _signal(victim, signal.SIGKILL)
+        if not _wait_for(lambda: not any(_alive(v) for v in victims), timeout=15):
+            left = [v for v in victims if _alive(v)]
+            raise _error(f"PostgreSQL processes {left} survived SIGKILL", [self.log_path])
+        self._remove_stale_locks()
+
+    def _remove_stale_locks(self) -> None:
+        """Delete the lock files (data dir and socket) of a dead postmaster.
+
+        A killed postmaster was orphaned (pg_ctl exited long ago), so it stays a zombie until
+        PID 1 reaps it, which here can take seconds. Meanwhile kill(pid, 0) still succeeds and
+        a new postmaster refuses to start ("lock file already exists"). Its processes are all
+        gone by now, so the lock files protect nothing.
+        """
+        if self.directory is None:
+            return
+        socket_lock = self.socket_dir / f".s.PGSQL.{self.port}.lock"
+        for lock in (self.data_dir / "postmaster.pid", socket_lock):
+            if lock.exists() and self._lock_owner(lock) is None:
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start again on the same port and data directory (stopping it first if running)."""
+        if self.running:
+            self.stop("fast")
+        self.start(timeout)
+
+    def cleanup(self) -> None:
+        """Stop the server if running (immediate, falling back to kill) and remove its files."""
+        if self.directory is None:
+            return
+        try:
+            self.stop("immediate")
+        except ServerError:
+            self.kill()
+        self.kill()  # no-op unless something survived the stop
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> PostgresServer:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+# --------------------------------------------------------------------------------------------
+# RabbitMQ
+
+# The real server script; /usr/sbin/rabbitmq-server is a wrapper that switches to the
+# rabbitmq user, which would not own our temporary directory.
+_RABBIT_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+
+
+class RabbitServer:
+    """A RabbitMQ node of its own (name, ports, data, cookie) in a temporary directory.
+
+    The system node (rabbit@localhost) is left alone; only epmd is shared, and never killed.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        extra_conf: list[str] | None = None,
+        base_dir: Path | None = None,
+    ) -> None:
+        """Describe the node; nothing is created or started until start()."""
+        self.port: int = port if port is not None else free_port()
+        self.url: str = f"amqp://guest:guest@{_LOOPBACK}:{self.port}/%2F"
+        # Mnesia data belongs to a node name, so the name must not change across restarts.
+        self.node_name: str = f"outbox-test-{self.port}@localhost"
+        self.extra_conf = list(extra_conf or [])
+        self.base_dir = base_dir
+        #: The temporary directory (mnesia/, log/, rabbitmq.conf...); None before start.
+        self.directory: Path | None = None
+        self.dist_port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._owner_pid = os.getpid()
+        if not _RABBIT_SERVER.exists():
+            raise ServerError(f"RabbitMQ server script not found at {_RABBIT_SERVER}")
+
+    def _dir(self) -> Path:
+        if self.directory is None:
+            raise ServerError("RabbitMQ node has no directory (not started or cleaned up)")
+        return self.directory
+
+    @property
+    def console_log(self) -> Path:
+        """stdout/stderr of rabbitmq-server (appended to on each start)."""
+        return self._dir() / "console.log"
+
+    @property
+    def log_path(self) -> Path:
+        """The node's own log file."""
+        return self._dir() / "log" / "rabbit.log"
+
+    @property
+    def running(self) -> bool:
+        """True while the rabbitmq-server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def _logs(self) -> list[Path]:
+        return [self.console_log, self.log_path]
+
+    def _prepare(self) -> None:
+        """Write the node's private config, env and plugin files."""
+        d = self._dir()
+        for sub in ("home", "mnesia", "log", "conf.d"):
+            (d / sub).mkdir(exist_ok=True)
+        conf = [
+            f"listeners.tcp.default = {_LOOPBACK}:{self.port}",
+            "loopback_users = none",
+            *self.extra_conf,
+        ]
+        (d / "rabbitmq.conf").write_text("\n".join(conf) + "\n", encoding="utf-8")
+        (d / "enabled_plugins").write_text("", encoding="utf-8")
+        # An empty env file replaces /etc/rabbitmq/rabbitmq-env.conf, whose NODENAME and
+        # ERL_FLAGS would otherwise be sourced by the start script.
+        (d / "rabbitmq-env.conf").write_text("", encoding="utf-8")
+
+    def _env(self) -> dict[str, str]:
+        d = self._dir()
+        # Drop the caller's RabbitMQ/Erlang settings: they are meant for some other node.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RABBITMQ_", "ERL_")) or k == "ERL_EPMD_PORT"
+        }
+        env.setdefault("LANG", "C.UTF-8")
+        assert self.dist_port is not None
+        env.update(
+            {
+                "HOME": str(d / "home"),  # its own .erlang.cookie
+                "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
+                "RABBITMQ_NODENAME": self.node_name,
+                "RABBITMQ_NODE_IP_ADDRESS": _LOOPBACK,
+                "RABBITMQ_NODE_PORT": str(self.port),
+                "RABBITMQ_DIST_PORT": str(self.dist_port),
+                "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"),
+                # Keep /etc/rabbitmq/conf.d and advanced.config out of this node.
+                "RABBITMQ_CONFIG_FILES": str(d / "conf.d"),
+                "RABBITMQ_ADVANCED_CONFIG_FILE": str(d / "advanced.config"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
+                "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
+                "RABBITMQ_MNESIA_DIR": str(d / "mnesia" / self.node_name),
+                "RABBITMQ_LOG_BASE": str(d / "log"),
+                "RABBITMQ_LOGS": str(self.log_path),
+                "RABBITMQ_PID_FILE": str(d / "rabbitmq.pid"),
+                # The distribution listener would bind to all interfaces otherwise.
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
+                    "-kernel inet_dist_use_interface {127,0,0,1}"
+                ),
+                # Only matters if no epmd runs yet and ours starts one.
+                "ERL_EPMD_ADDRESS": _LOOPBACK,
+                "ERL_CRASH_DUMP": str(d / "erl_crash.dump"),
+            }
+        )
+        return env
+
+    def _amqp_ready(self) -> bool:
+        """Try one AMQP connection as guest; True if it worked."""
+        # A plain TCP probe first: pika logs every refused connection at ERROR level.
+        try:
+            socket.create_connection((_LOOPBACK, self.port), timeout=1).close()
+        except OSError:
+            return False
+        import pika  # only the RabbitMQ half of this module needs pika
+
+        params = pika.URLParameters(self.url)
+        params.connection_attempts = 1
+        params.socket_timeout = 2
+        params.blocked_connection_timeout = 2
+        try:
+            pika.BlockingConnection(params).close()
+        except (pika.exceptions.AMQPError, OSError):
+            return False
+        return True
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the node in the background and wait until an AMQP connection works."""
+        if self.running:
+            return
+        if self.directory is None:
+            self.directory = _make_dir("outbox-rmq-", self.base_dir)
+            _LIVE.add(self)
+        self._prepare()
+        if not _port_is_free(self.port):
+            raise _error(f"RabbitMQ port {_LOOPBACK}:{self.port} is already in use", [])
+        # The distribution port is not persistent state: keep it if still free, else re-pick.
+        if self.dist_port is None or not _port_is_free(self.dist_port):
+            self.dist_port = free_port()
+            while self.dist_port == self.port:
+                self.dist_port = free_port()
+        with self.console_log.open("ab") as out:
+            out.write(f"\n=== devenv: starting {self.node_name} at {time.ctime()} ===\n".encode())
+            out.flush()
+            self._proc = subprocess.Popen(
+                [str(_RABBIT_SERVER)],
+                cwd=self._dir(),
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # Own session and process group: kill() takes the script, beam.smp and its
+                # helpers down together, and a terminal's Ctrl-C does not reach them.
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not self._amqp_ready():
+            code = self._proc.poll()
+            if code is not None:
+                self._reap_group()
+                raise _error(
+                    f"RabbitMQ node {self.node_name} exited with code {code}", self._logs()
+                )
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise _error(
+                    f"RabbitMQ node {self.node_name} not accepting AMQP on port {self.port} "
+                    f"after {timeout:.0f} s",
+                    self._logs(),
+                )
+            time.sleep(0.25)
+
+    def _reap_group(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Signal what is left of the process group and wait for all of it to be gone."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid  # start_new_session made the script the group leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=15)
+        if not _wait_for(lambda: not _group_members(pgid), timeout=15):
+            raise _error(
+                f"RabbitMQ processes {_group_members(pgid)} survived {sig.name}", self._logs()
+            )
+        self._proc = None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop gracefully: SIGTERM the process group, then SIGKILL it after the timeout."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        _wait_for(lambda: self._proc is None or not _group_members(pgid), timeout, 0.1)
+        self._reap_group(signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash); the shared epmd is not in it."""
+        self._reap_group(signal.SIGKILL)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start again on the same port, node name and data directory."""
+        if self.running:
+            self.stop()
+        else:
+            self._reap_group()  # helpers of a node that died on its own
+        self.start(timeout)
+
+    def cleanup(self) -> None:
+        """Kill the node if running and remove its files."""
+        if self.directory is None:
+            return
+        self.kill()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> RabbitServer:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()

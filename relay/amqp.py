@@ -1,0 +1,71 @@
+"""RabbitMQ plumbing shared by the publisher and the ledger reader."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import _IoloopTimerContext
+
+from relay.errors import StartupCheckError, TransientError
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "the connection is gone or unusable": reconnect and try again.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.ConnectionClosed,
+    pika.exceptions.StreamLostError,
+    pika.exceptions.ChannelWrongStateError,
+    ConnectionError,
+    OSError,
+)
+
+
+def connect(url: str, *, timeout: float, name: str) -> Any:
+    """A BlockingConnection; a failure to connect is a TransientError without the URL's password."""
+    params = pika.URLParameters(url)
+    params.socket_timeout = timeout
+    params.stack_timeout = timeout
+    params.blocked_connection_timeout = max(timeout, 30.0)
+    params.connection_attempts = 1
+    params.client_properties = {"connection_name": name}
+    try:
+        return pika.BlockingConnection(params)
+    except pika.exceptions.ProbableAuthenticationError as exc:
+        raise StartupCheckError("RabbitMQ refused the credentials of OUTBOX_AMQP_URL") from exc
+    except CONNECTION_ERRORS as exc:
+        raise TransientError(f"cannot connect to RabbitMQ: {type(exc).__name__}") from exc
+
+
+def declare_ledger(channel: Any, stream: str, max_age: str) -> None:
+    """Declare the ledger stream; a clash with an existing queue of that name is a startup error."""
+    try:
+        channel.queue_declare(
+            queue=stream,
+            durable=True,
+            arguments={"x-queue-type": "stream", "x-max-age": max_age},
+        )
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise StartupCheckError(
+            f"ledger stream {stream!r} cannot be declared ({exc.reply_code} {exc.reply_text}): "
+            "a queue of that name exists with other arguments; set OUTBOX_LEDGER_STREAM"
+        ) from exc
+
+
+def pump(conn: Any, done: Callable[[], bool], timeout: float) -> None:
+    """Process I/O until ``done()`` or ``timeout`` seconds, waking on every frame.
+
+    ``process_data_events(time_limit)`` only wakes for BlockingChannel events and would sleep
+    through the whole limit while confirms arrive on the asynchronous core, so this drives the
+    same loop with our own terminator (pika < 2 internals, covered by the integration tests).
+    """
+    if done():
+        return
+    with _IoloopTimerContext(timeout, conn._impl) as timer:
+        conn._flush_output(timer.is_ready, done)
+    # Deliver callbacks the blocking layer queued meanwhile (consumer messages, timers).
+    conn.process_data_events(time_limit=0)

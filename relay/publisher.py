@@ -1,0 +1,270 @@
+"""Step 3 and 4 of the protocol: publish a batch with pipelined confirms, then the ledger record.
+
+pika's BlockingChannel waits one round trip per confirmed publish. This publisher drives the
+channel's asynchronous core instead: it writes every message of the batch, then pumps the
+connection until each delivery tag is acked, nacked or returned, so the whole batch is in
+flight at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.exceptions
+import pika.spec
+
+from relay import amqp, ledger
+from relay.errors import BatchFailed, TransientError
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_CACHE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One outbox row, ready to publish."""
+
+    row_id: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: Any  # pika.BasicProperties
+
+
+@dataclass
+class PublishResult:
+    """What the broker said about each message of a batch."""
+
+    confirmed: set[int] = field(default_factory=set)
+    # Rows the broker refused, each for its own reason (returned, nacked, no such exchange).
+    failed: dict[int, str] = field(default_factory=dict)
+    # Rows unconfirmed when the broker closed the channel: one of them caused it, not known which.
+    suspect: dict[int, str] = field(default_factory=dict)
+    # Set when the connection failed or timed out: the unconfirmed rows' fate is unknown.
+    transient: str | None = None
+
+    def complete(self, total: int) -> bool:
+        return (
+            len(self.confirmed) == total
+            and not self.failed
+            and not self.suspect
+            and self.transient is None
+        )
+
+
+class AmqpPublisher:
+    """Publishes batches and ledger records on one connection with one confirm-mode channel."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ledger_stream: str,
+        ledger_max_age: str,
+        confirm_timeout: float,
+        connect_timeout: float,
+        name: str = "outbox-relay",
+        fault: Callable[[str], None] = lambda point: None,
+    ) -> None:
+        self._url = url
+        self._ledger_stream = ledger_stream
+        self._ledger_max_age = ledger_max_age
+        self._confirm_timeout = confirm_timeout
+        self._connect_timeout = connect_timeout
+        self.name = name
+        self._fault = fault
+        self._conn: Any = None
+        self._channel: Any = None  # pika.channel.Channel (the async core)
+        self._probe: Any = None  # BlockingChannel for passive exchange checks
+        self._known_exchanges: dict[str, float] = {"": float("inf")}
+        self._next_tag = 1
+        self._pending: dict[int, int] = {}  # delivery tag -> row id
+        self._by_message_id: dict[str, int] = {}
+        self._result = PublishResult()
+        self._closed_reason: str | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._conn is not None
+            and self._conn.is_open
+            and self._channel is not None
+            and self._channel.is_open
+        )
+
+    def connect(self) -> None:
+        self.close()
+        self._conn = amqp.connect(self._url, timeout=self._connect_timeout, name=self.name)
+        try:
+            amqp.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age)
+            blocking = self._conn.channel()
+            self._channel = blocking._impl  # the async core: many confirms in flight
+            selected: list[bool] = []
+            self._channel.confirm_delivery(
+                ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
+            )
+            self._channel.add_on_return_callback(self._on_return)
+            self._channel.add_on_close_callback(self._on_channel_closed)
+            self._pump_until(lambda: bool(selected), self._connect_timeout)
+            if not selected:
+                raise TransientError("RabbitMQ did not enable publisher confirms in time")
+        except amqp.CONNECTION_ERRORS as exc:
+            self.close()
+            raise TransientError(f"RabbitMQ connection lost during setup: {exc!r}") from exc
+        except BaseException:
+            self.close()
+            raise
+        self._next_tag = 1
+        self._closed_reason = None
+        log.info("connected to RabbitMQ", extra={"action": "amqp_connected"})
+
+    def close(self) -> None:
+        conn, self._conn, self._channel, self._probe = self._conn, None, None, None
+        if conn is not None and conn.is_open:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("error while closing the RabbitMQ connection", exc_info=True)
+
+    def idle(self, seconds: float) -> None:
+        """Wait while answering heartbeats; a dead connection is noticed here, not later."""
+        try:
+            if self._conn is not None:
+                self._conn.sleep(seconds)
+            else:
+                time.sleep(seconds)
+        except amqp.CONNECTION_ERRORS:
+            self.close()
+
+    # -- step 3 -------------------------------------------------------------------------------
+
+    def missing_exchanges(self, names: set[str]) -> dict[str, str]:
+        """Exchanges that do not exist, checked passively (a publish to one would close the channel)."""
+        now = time.monotonic()
+        missing: dict[str, str] = {}
+        for name in names:
+            if self._known_exchanges.get(name, 0.0) > now:
+                continue
+            try:
+                if self._probe is None or not self._probe.is_open:
+                    self._probe = self._conn.channel()
+                self._probe.exchange_declare(exchange=name, passive=True)
+                self._known_exchanges[name] = now + EXCHANGE_CACHE_SECONDS
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                self._probe = None
+                missing[name] = f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"
+            except amqp.CONNECTION_ERRORS as exc:
+                raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
+        return missing
+
+    def publish_batch(self, messages: Sequence[Message]) -> PublishResult:
+        """Publish every message persistent + mandatory and wait for all their confirms."""
+        self._result = PublishResult()
+        self._pending.clear()
+        self._by_message_id = {m.message_id: m.row_id for m in messages}
+        half = len(messages) // 2
+        try:
+            for index, message in enumerate(messages):
+                if index == half:
+                    self._flush()
+                    self._fault("mid_publish")
+                self._publish(message.exchange, message.routing_key, message.body,
+                              message.properties, message.row_id)
+            self._wait_for_confirms()
+        except amqp.CONNECTION_ERRORS as exc:
+            self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
+        self._settle_unconfirmed()
+        return self._result
+
+    def _publish(self, exchange: str, routing_key: str, body: bytes, properties: Any,
+                 row_id: int) -> None:
+        if self._closed_reason is not None:
+            return  # the broker closed the channel; the rest stays unconfirmed
+        self._channel.basic_publish(exchange=exchange, routing_key=routing_key, body=body,
+                                    properties=properties, mandatory=True)
+        self._pending[self._next_tag] = row_id
+        self._next_tag += 1
+
+    def _wait_for_confirms(self) -> None:
+        self._pump_until(lambda: not self._pending or self._closed_reason is not None,
+                         self._confirm_timeout)
+        if self._pending and self._closed_reason is None:
+            # A channel with confirms outstanding cannot be trusted again: start afresh.
+            self.close()
+            self._result.transient = f"no confirm within {self._confirm_timeout:g} s"
+
+    def _settle_unconfirmed(self) -> None:
+        """Rows still pending are suspect (channel closed by the broker) or unknown (transient)."""
+        unconfirmed = set(self._by_message_id.values()) - self._result.confirmed
+        unconfirmed -= self._result.failed.keys()
+        if self._closed_reason is not None and self._result.transient is None:
+            for row_id in unconfirmed:
+                self._result.suspect[row_id] = self._closed_reason
+        elif unconfirmed and self._result.transient is None:
+            self._result.transient = "unconfirmed messages"
+        self._pending.clear()
+
+    # -- step 4 -------------------------------------------------------------------------------
+
+    def record_batch(self, gid: str, count: int, instance: str) -> None:
+        """Publish the batch's ledger record and wait for its confirm."""
+        self.append_ledger(ledger.batch_record(gid, count, instance), message_id=gid)
+
+    def append_ledger(self, body: bytes, *, message_id: str) -> None:
+        """Append one record to the ledger stream; raise BatchFailed unless it is confirmed."""
+        properties = pika.BasicProperties(delivery_mode=2, message_id=message_id,
+                                          content_type="application/json")
+        result = self.publish_batch(
+            [Message(0, message_id, "", self._ledger_stream, body, properties)])
+        if not result.complete(1):
+            reason = result.transient or next(iter({**result.failed, **result.suspect}.values()))
+            raise BatchFailed(f"ledger record not confirmed: {reason}")
+
+    @property
+    def connection(self) -> Any:
+        """The BlockingConnection, for the resolver's ledger reads."""
+        if not self.connected:
+            raise TransientError("not connected to RabbitMQ")
+        return self._conn
+
+    # -- callbacks and IO -------------------------------------------------------------------
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else (
+            [method.delivery_tag] if method.delivery_tag in self._pending else [])
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        for tag in tags:
+            row_id = self._pending.pop(tag)
+            if nacked:
+                self._result.failed.setdefault(row_id, "nacked by the broker")
+            elif row_id not in self._result.failed:
+                self._result.confirmed.add(row_id)
+
+    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
+        row_id = self._by_message_id.get(properties.message_id)
+        if row_id is not None:
+            self._result.failed[row_id] = (
+                f"unroutable: {method.reply_code} {method.reply_text} "
+                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"
+            )
+
+    def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
+        self._closed_reason = f"channel closed by the broker: {reason}"
+        if isinstance(reason, pika.exceptions.ChannelClosedByBroker) and reason.reply_code == 404:
+            self._known_exchanges = {"": float("inf")}
+
+    def _flush(self) -> None:
+        self._conn.process_data_events(time_limit=0)
+
+    def _pump_until(self, done: Callable[[], bool], timeout: float) -> None:
+        amqp.pump(self._conn, done, timeout)

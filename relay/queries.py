@@ -1,0 +1,58 @@
+"""Named SQL queries, read from the ``.sql`` files shipped with the package."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from psycopg import sql
+
+_NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def parse_named(text: str) -> dict[str, str]:
+    """Split a file of ``-- name: x`` sections into {name: SQL text}."""
+    parts = _NAME_RE.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+@cache
+def _store_queries() -> dict[str, str]:
+    return parse_named(resources.files("relay").joinpath("queries.sql").read_text("utf-8"))
+
+
+def schema_text() -> str:
+    """The schema template: top-level ``sql/schema.sql``, shipped in wheels as ``relay.schema``."""
+    checkout = Path(__file__).resolve().parent.parent / "sql" / "schema.sql"
+    if checkout.is_file():  # running from a source checkout
+        return checkout.read_text("utf-8")
+    return resources.files("relay.schema").joinpath("schema.sql").read_text("utf-8")
+
+
+class Tables:
+    """Identifiers for the configured outbox table and its companions, never string-formatted."""
+
+    def __init__(self, table: str) -> None:
+        *schema, name = table.split(".")
+        self.name = table
+        self.dead_letter_name = ".".join([*schema, f"{name}_dead_letter"])
+        self.outbox = sql.Identifier(*schema, name)
+        self.dead_letter = sql.Identifier(*schema, f"{name}_dead_letter")
+        self.message_id_index = sql.Identifier(f"{name}_message_id_key")
+        self.retry_index = sql.Identifier(f"{name}_retry_idx")
+
+    def compose(self, template: str) -> sql.Composed:
+        return sql.SQL(template).format(
+            outbox=self.outbox,
+            dead_letter=self.dead_letter,
+            message_id_index=self.message_id_index,
+            retry_index=self.retry_index,
+        )
+
+    def query(self, name: str) -> sql.Composed:
+        return self.compose(_store_queries()[name])
+
+    def schema(self) -> sql.Composed:
+        return self.compose(schema_text())

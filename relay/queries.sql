@@ -1,0 +1,97 @@
+-- Named queries of the outbox store. Each starts with a "-- name:" line; {outbox} and
+-- {dead_letter} are table identifiers composed with psycopg.sql, %(x)s are bind parameters.
+
+-- name: claim
+-- Step 1 of the protocol. Lock due rows without waiting on anyone's locks and delete them in
+-- the same statement, so the claim changes the claimed rows themselves. A row that failed
+-- before (attempts > 0) is claimed alone: a poison row then fails only its own batch.
+WITH retry AS (
+    SELECT id FROM {outbox}
+    WHERE attempts > 0 AND available_at <= now()
+    ORDER BY available_at
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), fresh AS (
+    SELECT id FROM {outbox}
+    WHERE attempts = 0 AND available_at <= now() AND NOT EXISTS (SELECT FROM retry)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {outbox}
+WHERE id IN (SELECT id FROM retry UNION ALL SELECT id FROM fresh)
+RETURNING id, message_id, exchange, routing_key, ordering_key, payload::text, payload_bytes,
+          headers, content_type, created_at, attempts, last_error;
+
+-- name: dead_letter_claimed
+-- A claimed row that can never be published goes to the dead-letter table inside the claim
+-- transaction: it is committed together with the batch, or rolled back with it.
+INSERT INTO {dead_letter} (id, message_id, exchange, routing_key, ordering_key, payload,
+                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
+        %(payload)s::jsonb, %(payload_bytes)s, %(headers)s, %(content_type)s, %(created_at)s,
+        %(attempts)s + 1, %(error)s)
+ON CONFLICT (id) DO NOTHING;
+
+-- name: forget_delivered
+-- After a failed batch was rolled back: rows the broker did confirm are delivered; remove them
+-- so the retry does not publish them again. Rows another relay has claimed meanwhile are left
+-- to it.
+DELETE FROM {outbox}
+WHERE id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED);
+
+-- name: record_failures
+-- Outside the rolled-back transaction: count the attempt, keep the error, back off
+-- exponentially (with jitter) before the row is due again.
+UPDATE {outbox} AS o
+SET attempts = o.attempts + 1,
+    last_error = f.error,
+    available_at = now() + make_interval(secs =>
+        least(%(max_delay)s::float8, %(base_delay)s::float8 * power(2, o.attempts))
+        * (0.75 + random() / 2))
+FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+WHERE o.id = f.id
+  AND o.id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED);
+
+-- name: dead_letter_exhausted
+-- Rows out of attempts move to the dead-letter table in one statement.
+WITH moved AS (
+    DELETE FROM {outbox}
+    WHERE id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) AND attempts >= %(max_attempts)s
+                 FOR UPDATE SKIP LOCKED)
+    RETURNING *
+)
+INSERT INTO {dead_letter} (id, message_id, exchange, routing_key, ordering_key, payload,
+                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
+       content_type, created_at, attempts, coalesce(last_error, 'unknown error')
+FROM moved
+ON CONFLICT (id) DO NOTHING
+RETURNING id;
+
+-- name: stats
+-- Backlog size and lag: the age of the oldest row not yet published (claimed rows included,
+-- they are not published until their batch commits).
+SELECT count(*) AS backlog,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS lag_seconds
+FROM {outbox};
+
+-- name: server_check
+SELECT current_setting('max_prepared_transactions')::int AS max_prepared_transactions,
+       to_regclass(%(outbox)s) IS NOT NULL AS has_outbox,
+       to_regclass(%(dead_letter)s) IS NOT NULL AS has_dead_letter,
+       current_setting('server_version_num')::int AS server_version;
+
+-- name: try_instance_lock
+SELECT pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
+
+-- name: instance_unlock
+SELECT pg_advisory_unlock(%(class)s, %(instance)s);
+
+-- name: prepared_of_prefix
+-- This database's prepared transactions with our gid prefix; anything else is not ours.
+SELECT gid, prepared, owner,
+       extract(epoch FROM now() - prepared)::float8 AS age_seconds
+FROM pg_prepared_xacts
+WHERE database = current_database() AND starts_with(gid, %(prefix)s)
+ORDER BY prepared;

@@ -1,0 +1,327 @@
+"""The relay loop. ``Relay.run_batch`` is the protocol's five steps, top to bottom."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import psycopg
+import tenacity
+
+from relay.config import RelaySettings
+from relay.errors import BatchFailed, TransientError
+from relay.gid import Gid, lock_class, new_instance_id
+from relay.messages import to_message
+from relay.metrics import RelayMetrics
+from relay.publisher import Message, PublishResult
+from relay.store import OutboxRow, is_connection_error
+
+log = logging.getLogger("relay")
+
+# Backoff between reconnection attempts; tests shrink these.
+RECONNECT_INITIAL_DELAY = 0.2
+
+
+class Store(Protocol):
+    @property
+    def connected(self) -> bool: ...
+    def connect(self, lock_class: int, instance: int) -> None: ...
+    def close(self) -> None: ...
+    def reset(self) -> None: ...
+    def claim(self, limit: int) -> list[OutboxRow]: ...
+    def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
+    def rollback(self) -> None: ...
+    def prepare(self, gid: str) -> None: ...
+    def finish(self, gid: str, *, commit: bool) -> bool: ...
+    def settle_failed(self, delivered: Sequence[int], failures: dict[int, str],
+                      attributed: Sequence[int], *, max_attempts: int, base_delay: float,
+                      max_delay: float) -> list[int]: ...
+    def stats(self) -> tuple[int, float]: ...
+
+
+class Publisher(Protocol):
+    @property
+    def connected(self) -> bool: ...
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def missing_exchanges(self, names: set[str]) -> dict[str, str]: ...
+    def publish_batch(self, messages: Sequence[Message]) -> PublishResult: ...
+    def record_batch(self, gid: str, count: int, instance: str) -> None: ...
+    def idle(self, seconds: float) -> None: ...
+
+
+def failure_reason(error: str) -> str:
+    """The bounded metric label for a failure message."""
+    for prefix, reason in (("unroutable", "unroutable"), ("nacked", "nacked"),
+                           ("exchange ", "exchange_not_found"),
+                           ("channel closed", "channel_closed"), ("no confirm", "confirm_timeout"),
+                           ("ledger", "ledger")):
+        if error.startswith(prefix):
+            return reason
+    return "connection_lost"
+
+
+class Relay:
+    """Moves outbox rows to RabbitMQ, one prepared batch at a time."""
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        store: Store,
+        publisher: Publisher,
+        *,
+        metrics: RelayMetrics | None = None,
+        fault: Callable[[str], None] = lambda _point: None,
+        should_stop: Callable[[], bool] = lambda: False,
+        instance: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.publisher = publisher
+        self.metrics = metrics or RelayMetrics()
+        self.fault = fault
+        self.should_stop = should_stop
+        self.instance = new_instance_id() if instance is None else instance
+        self.lock_class = lock_class(settings.gid_prefix)
+        self._sequence = 0
+        # A prepared batch whose outcome is decided but not yet applied (PostgreSQL went away).
+        self._unfinished: tuple[str, bool] | None = None
+        self._next_stats = 0.0
+        self._down: set[str] = set()
+        self._ever_connected: set[str] = set()
+        self._fault_streak = 0
+
+    @property
+    def instance_name(self) -> str:
+        return f"{self.instance:08x}"
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def run_batch(self) -> int:
+        """Claim, prepare, publish, record, commit one batch. Returns the number of rows claimed."""
+        s = self.settings
+        started = time.monotonic()
+        # 1. BEGIN; claim due rows with FOR UPDATE SKIP LOCKED and delete them.
+        rows = self.store.claim(s.batch_size)
+        if not rows:
+            self.store.rollback()
+            return 0
+        self.fault("after_claim")
+        messages, invalid = self._build(rows)
+        if invalid:
+            self.store.dead_letter_claimed(invalid)
+        missing = self.publisher.missing_exchanges({m.exchange for m in messages})
+        failed_early = {m.row_id: missing[m.exchange] for m in messages if m.exchange in missing}
+        messages = [m for m in messages if m.row_id not in failed_early]
+
+        # 2. PREPARE TRANSACTION: the claim is durable; the rows stay locked until the outcome.
+        gid = self._next_gid()
+        self.store.prepare(gid)
+        # Until COMMIT/ROLLBACK PREPARED returns, an exception leaves the decision here for the
+        # loop to apply after reconnecting: roll back unless the ledger record is confirmed.
+        self._unfinished = (gid, False)
+        self.fault("after_prepare")
+
+        # 3. Publish every message, persistent + mandatory, all confirms in flight at once.
+        result = self.publisher.publish_batch(messages)
+        result.failed.update(failed_early)
+        committed = False
+        if result.complete(len(messages)) and not failed_early:
+            self.fault("after_publish")
+            # 4. Commit on the broker side first: the ledger record of the batch.
+            try:
+                self.publisher.record_batch(gid, len(messages), self.instance_name)
+                committed = True
+                self._unfinished = (gid, True)
+            except (BatchFailed, TransientError) as exc:
+                result.transient = f"ledger: {exc}"
+        if committed:
+            self.fault("after_ledger")
+            # 5. COMMIT PREPARED.
+            self._finish(gid, commit=True, size=len(rows))
+            self.fault("after_commit")
+            self.metrics.events_published.inc(len(messages))
+        else:
+            self._finish(gid, commit=False, size=len(rows))
+            self._settle(result, batch_size=len(messages))
+        self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
+        self.metrics.batch_duration.observe(time.monotonic() - started)
+        self.metrics.batch_size.observe(len(rows))
+        return len(rows)
+
+    def _build(self, rows: list[OutboxRow]) -> tuple[list[Message], list[tuple[OutboxRow, str]]]:
+        messages: list[Message] = []
+        invalid: list[tuple[OutboxRow, str]] = []
+        for row in rows:
+            built = to_message(row, max_bytes=self.settings.max_message_bytes)
+            if isinstance(built, str):
+                log.warning("row cannot be published; dead-lettering it",
+                            extra={"action": "row_invalid", "row_id": row.id, "error": built})
+                invalid.append((row, built))
+            else:
+                messages.append(built)
+        return messages, invalid
+
+    def _next_gid(self) -> str:
+        self._sequence += 1
+        return str(Gid(self.settings.gid_prefix, self.instance, self._sequence))
+
+    def _finish(self, gid: str, *, commit: bool, size: int) -> None:
+        """COMMIT or ROLLBACK PREPARED; if PostgreSQL is gone, the decision waits in _unfinished."""
+        try:
+            done = self.store.finish(gid, commit=commit)
+        except Exception as exc:
+            if is_connection_error(exc):
+                raise TransientError(f"PostgreSQL connection lost finishing {gid}") from exc
+            raise
+        self._unfinished = None
+        if not done:
+            # The resolver (or a race) finished it first: duplicates are possible, loss is not.
+            log.warning("prepared batch already finished by someone else",
+                        extra={"action": "batch_finished_elsewhere", "gid": gid, "batch_size": size})
+            self.metrics.batches.labels("finished_elsewhere").inc()
+            return
+        outcome = "committed" if commit else "rolled_back"
+        self.metrics.batches.labels(outcome).inc()
+        log.log(logging.DEBUG if commit else logging.WARNING, "batch %s", outcome.replace("_", " "),
+                extra={"action": f"batch_{outcome}", "gid": gid, "batch_size": size})
+
+    def _settle(self, result: PublishResult, *, batch_size: int) -> None:
+        """A failed batch was rolled back: forget what was delivered, count what failed."""
+        failures = {**result.suspect, **result.failed}
+        # A suspect alone in its batch is the culprit; otherwise it is only retried alone.
+        attributed = list(result.failed) + (list(result.suspect) if batch_size == 1 else [])
+        for error in failures.values():
+            self.metrics.failures.labels(failure_reason(error)).inc()
+        if result.transient:
+            self.metrics.failures.labels(failure_reason(result.transient)).inc()
+            log.warning("batch failed: %s", result.transient,
+                        extra={"action": "batch_failed", "batch_size": batch_size})
+        s = self.settings
+        dead = self.store.settle_failed(
+            sorted(result.confirmed), failures, attributed, max_attempts=s.max_attempts,
+            base_delay=s.retry_base_delay, max_delay=s.retry_max_delay)
+        for row_id, error in failures.items():
+            log.warning("row failed: %s", error, extra={
+                "action": "row_dead_lettered" if row_id in dead else "row_failed",
+                "row_id": row_id})
+        self.metrics.dead_lettered.labels("exhausted").inc(len(dead))
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Relay until asked to stop; transient faults never end the loop."""
+        log.info("relay started", extra={"action": "relay_started", "instance": self.instance_name})
+        idle = self.settings.poll_min_interval
+        while not self.should_stop():
+            self.metrics.last_loop.set_to_current_time()
+            try:
+                self._ensure_connected()
+                if self.should_stop():
+                    break
+                claimed = self.run_batch()
+                self._refresh_stats()
+                self._fault_streak = 0
+            except (TransientError, psycopg.Error) as exc:
+                self._connection_fault(exc)
+                continue
+            if claimed >= self.settings.batch_size:
+                idle = self.settings.poll_min_interval
+                continue
+            if claimed:
+                idle = self.settings.poll_min_interval
+            else:
+                idle = min(max(idle * 2, self.settings.poll_min_interval),
+                           self.settings.poll_max_interval)
+            self.publisher.idle(idle)
+        self.close()
+        log.info("relay stopped", extra={"action": "relay_stopped", "instance": self.instance_name})
+
+    def close(self) -> None:
+        self.store.close()
+        self.publisher.close()
+
+    def _connection_fault(self, exc: BaseException) -> None:
+        """A server failed us mid-loop: reset what is unusable, back off, try again."""
+        if is_connection_error(exc):
+            self.store.close()
+        else:
+            self.store.reset()  # roll back an open claim so the rows are free again
+        if not self.publisher.connected:
+            self.publisher.close()
+        if isinstance(exc, psycopg.Error) and not is_connection_error(exc):
+            log.error("database error: %s", str(exc).strip().splitlines()[0] if str(exc) else exc,
+                      extra={"action": "database_error"})
+        else:
+            log.debug("connection fault: %s", exc, extra={"action": "connection_fault"})
+        self._fault_streak += 1
+        delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(self._fault_streak - 1, 16),
+                    self.settings.reconnect_max_delay)
+        self._sleep(delay * random.uniform(0.5, 1.0))
+
+    def _ensure_connected(self) -> None:
+        for server, client, connect in (
+            ("postgresql", self.store, lambda: self.store.connect(self.lock_class, self.instance)),
+            ("rabbitmq", self.publisher, self.publisher.connect),
+        ):
+            if client.connected:
+                continue
+            self._mark_down(server)
+            self._retrying(server)(connect)
+            self._mark_up(server)
+        if self._unfinished is not None:
+            gid, commit = self._unfinished
+            self._finish(gid, commit=commit, size=0)
+
+    def _retrying(self, server: str) -> tenacity.Retrying:
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.debug("reconnect to %s failed: %s", server, exc,
+                      extra={"action": "reconnect_failed", "server": server})
+
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientError),
+            # Full jitter: relays restarted together do not reconnect in lockstep.
+            wait=tenacity.wait_random_exponential(
+                multiplier=RECONNECT_INITIAL_DELAY, max=self.settings.reconnect_max_delay),
+            stop=lambda _state: self.should_stop(),
+            sleep=self._sleep,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.should_stop() and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _mark_down(self, server: str) -> None:
+        """Log a lost connection once, not at every reconnection attempt."""
+        self.metrics.connected.labels(server).set(0)
+        if server not in self._down:
+            self._down.add(server)
+            if server in self._ever_connected:
+                log.warning("%s connection lost; reconnecting", server,
+                            extra={"action": "disconnected", "server": server})
+
+    def _mark_up(self, server: str) -> None:
+        self.metrics.connected.labels(server).set(1)
+        self._down.discard(server)
+        if server in self._ever_connected:
+            self.metrics.reconnects.labels(server).inc()
+            log.info("%s reconnected", server, extra={"action": "reconnected", "server": server})
+        else:
+            self._ever_connected.add(server)
+            log.info("%s connected", server, extra={"action": "connected", "server": server})
+
+    def _refresh_stats(self) -> None:
+        now = time.monotonic()
+        if now < self._next_stats:
+            return
+        self._next_stats = now + self.settings.stats_interval
+        backlog, lag = self.store.stats()
+        self.metrics.backlog.set(backlog)
+        self.metrics.lag.set(lag)

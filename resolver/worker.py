@@ -1,0 +1,170 @@
+"""The resolver: commit what the ledger has, roll back what it has not.
+
+One pass: (1) list this database's prepared transactions with our gid prefix; (2) keep those
+whose relay is gone (its instance advisory lock is free, so we take it) or that are older than
+the hard limit; (3) append a marker to the ledger and read the ledger from a margin before the
+oldest of them until the marker comes back; (4) COMMIT PREPARED the gids found in the ledger,
+ROLLBACK PREPARED the others. "Does not exist" (42704) means someone else finished it first.
+The order matters: a relay known dead before step 3 cannot add a record after our marker.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from relay import ledger, store
+from relay.config import ResolverSettings
+from relay.errors import BatchFailed, TransientError
+from relay.gid import Gid, lock_class
+from relay.metrics import ResolverMetrics
+from relay.publisher import AmqpPublisher
+
+log = logging.getLogger("resolver")
+
+RECONNECT_INITIAL_DELAY = 0.2
+
+
+class Resolver:
+    def __init__(
+        self,
+        settings: ResolverSettings,
+        *,
+        metrics: ResolverMetrics | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or ResolverMetrics()
+        self.should_stop = should_stop
+        self.lock_class = lock_class(settings.gid_prefix)
+        self._conn: psycopg.Connection[Any] | None = None
+        self._amqp = AmqpPublisher(
+            settings.amqp_url, ledger_stream=settings.ledger_stream,
+            ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.ledger_read_timeout,
+            connect_timeout=settings.connect_timeout, name="outbox-resolver")
+
+    # -- one pass ---------------------------------------------------------------------------
+
+    def resolve_once(self) -> dict[str, str]:
+        """One scan; returns {gid: outcome} for every transaction finished in it."""
+        conn = self._db()
+        prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
+        self.metrics.in_doubt.set(len(prepared))
+        self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
+        locked: list[int] = []
+        try:
+            candidates = self._candidates(conn, prepared, locked)
+            if not candidates:
+                return {}
+            since = min(x.prepared for x in candidates) - timedelta(
+                seconds=self.settings.ledger_margin)
+            committed = self._ledger_gids(since)
+            outcomes = {}
+            for xact in candidates:
+                commit = xact.gid in committed
+                finished = store.finish_prepared(conn, xact.gid, commit=commit)
+                outcome = ("committed" if commit else "rolled_back") if finished else (
+                    "already_finished")
+                outcomes[xact.gid] = outcome
+                self.metrics.decisions.labels(outcome).inc()
+                log.info("in-doubt batch %s", outcome.replace("_", " "), extra={
+                    "action": f"resolved_{outcome}", "gid": xact.gid,
+                    "age_seconds": round(xact.age_seconds, 3)})
+            return outcomes
+        finally:
+            for instance in locked:
+                store.instance_unlock(conn, self.lock_class, instance)
+
+    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
+                    locked: list[int]) -> list[store.PreparedXact]:
+        """Prepared batches whose relay is gone, or that passed the hard limit."""
+        alive: set[int] = set()
+        candidates = []
+        for xact in prepared:
+            gid = Gid.parse(xact.gid)
+            if gid is None or gid.prefix != self.settings.gid_prefix:
+                continue  # not of our format: never ours to finish
+            if xact.age_seconds >= self.settings.hard_limit:
+                log.warning("prepared batch passed the hard limit", extra={
+                    "action": "hard_limit_reached", "gid": xact.gid})
+                candidates.append(xact)
+            elif gid.instance in locked:
+                candidates.append(xact)
+            elif gid.instance not in alive:
+                # Free lock: the relay's session is gone. Holding it also keeps a second
+                # resolver off this relay's batches until we are done.
+                if store.try_instance_lock(conn, self.lock_class, gid.instance):
+                    locked.append(gid.instance)
+                    candidates.append(xact)
+                else:
+                    alive.add(gid.instance)
+        return candidates
+
+    def _ledger_gids(self, since: Any) -> set[str]:
+        if not self._amqp.connected:
+            self._amqp.connect()
+        marker = ledger.new_marker()
+        try:
+            self._amqp.append_ledger(ledger.marker_record(marker), message_id=marker)
+        except BatchFailed as exc:
+            raise TransientError(str(exc)) from exc
+        return ledger.read_until_marker(self._amqp.connection, self.settings.ledger_stream,
+                                        since, marker, self.settings.ledger_read_timeout)
+
+    # -- connections and the loop -----------------------------------------------------------
+
+    def _db(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = store.connect(self.settings.database_url,
+                                       timeout=self.settings.connect_timeout,
+                                       application_name="outbox-resolver")
+            store.check_server(self._conn)
+        return self._conn
+
+    def connect(self) -> None:
+        """Check both servers up front (fail fast on 2PC off or a ledger clash)."""
+        self._db()
+        self._amqp.connect()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._amqp.close()
+
+    def run(self) -> None:
+        log.info("resolver started", extra={"action": "resolver_started"})
+        failures = 0
+        while not self.should_stop():
+            try:
+                if not self._amqp.connected:
+                    self._amqp.connect()
+                self.resolve_once()
+                self.metrics.scans.inc()
+                self.metrics.last_scan.set_to_current_time()
+                if failures:
+                    log.info("resolver recovered", extra={"action": "resolver_recovered"})
+                failures = 0
+                delay = self.settings.interval
+            except (TransientError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                self.metrics.scan_errors.inc()
+                if failures == 0:
+                    log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
+                failures += 1
+                self.close()
+                delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(failures, 16),
+                            self.settings.reconnect_max_delay) * random.uniform(0.5, 1.0)
+            self._sleep(delay)
+        self.close()
+        log.info("resolver stopped", extra={"action": "resolver_stopped"})
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.should_stop() and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

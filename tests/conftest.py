@@ -1,0 +1,166 @@
+"""Fixtures: real PostgreSQL (2PC on) and RabbitMQ, started from the installed binaries.
+
+Set OUTBOX_TEST_DATABASE_URL and OUTBOX_TEST_AMQP_URL to use running servers instead (the
+PostgreSQL one needs max_prepared_transactions > 0). A server that cannot be started or reached
+fails the tests that need it: nothing here ever skips.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+import psycopg
+import pytest
+from psycopg import sql
+
+from devenv.servers import PostgresServer, RabbitServer
+from relay import worker
+from relay.config import RelaySettings, ResolverSettings
+from relay.migrate import migrate
+from relay.queries import Tables
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Reconnect backoff shrunk for tests (psycopg_pool style).
+worker.RECONNECT_INITIAL_DELAY = 0.05
+
+
+@dataclass
+class External:
+    """A server the caller runs; it cannot be killed or restarted by the tests."""
+
+    url: str
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer | External]:
+    url = os.environ.get("OUTBOX_TEST_DATABASE_URL")
+    if url:
+        yield External(url)
+        return
+    with PostgresServer(max_prepared_transactions=64) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rabbit_server() -> Iterator[RabbitServer | External]:
+    url = os.environ.get("OUTBOX_TEST_AMQP_URL")
+    if url:
+        yield External(url)
+        return
+    with RabbitServer() as server:
+        yield server
+
+
+@dataclass
+class Env:
+    """One test's isolated corner of the shared servers: its own tables, prefix, stream, queue."""
+
+    db_url: str
+    amqp_url: str
+    table: str
+    gid_prefix: str
+    ledger_stream: str
+    exchange: str
+    queue: str
+    routing_key: str = "event.created"
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def relay_settings(self, **overrides: Any) -> RelaySettings:
+        values: dict[str, Any] = dict(
+            database_url=self.db_url, amqp_url=self.amqp_url, table=self.table,
+            gid_prefix=self.gid_prefix, ledger_stream=self.ledger_stream, metrics_port=0,
+            retry_base_delay=0.05, retry_max_delay=0.2, confirm_timeout=10,
+        )
+        values.update(overrides)
+        return RelaySettings(**values)
+
+    def resolver_settings(self, **overrides: Any) -> ResolverSettings:
+        values: dict[str, Any] = dict(
+            database_url=self.db_url, amqp_url=self.amqp_url, gid_prefix=self.gid_prefix,
+            ledger_stream=self.ledger_stream, metrics_port=0, ledger_margin=60, interval=0.2,
+        )
+        values.update(overrides)
+        return ResolverSettings(**values)
+
+    def cli_env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update({
+            "OUTBOX_DATABASE_URL": self.db_url, "OUTBOX_AMQP_URL": self.amqp_url,
+            "OUTBOX_TABLE": self.table, "OUTBOX_GID_PREFIX": self.gid_prefix,
+            "OUTBOX_LEDGER_STREAM": self.ledger_stream, "OUTBOX_METRICS_PORT": "0",
+            "OUTBOX_RETRY_BASE_DELAY": "0.05", "OUTBOX_RETRY_MAX_DELAY": "0.2",
+            "PYTHONPATH": str(ROOT),
+        })
+        env.update(extra)
+        return env
+
+    def spawn(self, program: str, *args: str, **extra_env: str) -> subprocess.Popen[bytes]:
+        """Run ``python -m relay|resolver`` as a real process (its stderr to a log file)."""
+        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.gid_prefix}-{program}-"  # noqa: SIM115
+                   f"{len(self.processes)}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", program, *args], env=self.cli_env(**extra_env),
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        log.close()
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.processes.append(proc)
+        return proc
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.db_url, autocommit=True)
+
+    def amqp_channel(self) -> tuple[Any, Any]:
+        conn = pika.BlockingConnection(pika.URLParameters(self.amqp_url))
+        return conn, conn.channel()
+
+
+def server_url(server: PostgresServer | RabbitServer | External) -> str:
+    return server.url
+
+
+@pytest.fixture
+def env(pg_server: PostgresServer | External,
+        rabbit_server: RabbitServer | External) -> Iterator[Env]:
+    uid = secrets.token_hex(4)
+    e = Env(
+        db_url=server_url(pg_server), amqp_url=server_url(rabbit_server),
+        table=f"outbox_t{uid}", gid_prefix=f"t{uid}", ledger_stream=f"test.ledger.{uid}",
+        exchange=f"test.events.{uid}", queue=f"test.sink.{uid}",
+    )
+    migrate(e.db_url, e.table)
+    conn, channel = e.amqp_channel()
+    channel.exchange_declare(e.exchange, exchange_type="topic", durable=True)
+    channel.queue_declare(e.queue, durable=True)
+    channel.queue_bind(e.queue, e.exchange, routing_key="#")
+    conn.close()
+    yield e
+    for proc in e.processes:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    _drop(e)
+
+
+def _drop(e: Env) -> None:
+    with psycopg.connect(e.db_url, autocommit=True) as conn:
+        for (gid,) in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, %s)",
+                                   (e.gid_prefix + ":",)).fetchall():
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        tables = Tables(e.table)
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}, {}").format(tables.outbox, tables.dead_letter))
+    try:
+        conn2, channel = e.amqp_channel()
+        for queue in (e.queue, e.ledger_stream):
+            channel.queue_delete(queue)
+        channel.exchange_delete(e.exchange)
+        conn2.close()
+    except pika.exceptions.AMQPError:
+        pass

@@ -173,6 +173,6 @@ def check(
     )
 
 
-def _count(conn: psycopg.Connection[Any], query: sql.Composable) -> int:
+def _count(conn: psycopg.Connection[Any], query: sql.Composed) -> int:
     row = conn.execute(query).fetchone()
     return int(row[0]) if row else 0

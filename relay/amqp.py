@@ -50,10 +50,13 @@ def declare_ledger(channel: Any, stream: str, max_age: str) -> None:
             arguments={"x-queue-type": "stream", "x-max-age": max_age},
         )
     except pika.exceptions.ChannelClosedByBroker as exc:
-        raise StartupCheckError(
-            f"ledger stream {stream!r} cannot be declared ({exc.reply_code} {exc.reply_text}): "
-            "a queue of that name exists with other arguments; set OUTBOX_LEDGER_STREAM"
-        ) from exc
+        if exc.reply_code == 406:  # PRECONDITION_FAILED: the name is taken by another queue
+            raise StartupCheckError(
+                f"ledger stream {stream!r} cannot be declared ({exc.reply_text}): a queue of "
+                "that name exists with other arguments; set OUTBOX_LEDGER_STREAM"
+            ) from exc
+        # E.g. 404 "home node ... is down" while a restarted broker recovers its queues.
+        raise TransientError(f"ledger stream not available yet: {exc.reply_code}") from exc
 
 
 def pump(conn: Any, done: Callable[[], bool], timeout: float) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from relay.errors import ConfigError
+
 FAILURE_REASONS = (
     "unroutable",
     "nacked",
@@ -89,5 +91,10 @@ class ResolverMetrics:
 
 def serve(registry: CollectorRegistry, host: str, port: int) -> None:
     """Serve /metrics in a daemon thread; port 0 disables it."""
-    if port:
+    if not port:
+        return
+    try:
         start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"OUTBOX_METRICS_PORT {port} on {host!r} cannot be served: {exc.strerror}") from exc

@@ -25,10 +25,10 @@ def _store_queries() -> dict[str, str]:
 
 def schema_text() -> str:
     """The schema template: top-level ``sql/schema.sql``, shipped in wheels as ``relay.schema``."""
-    checkout = Path(__file__).resolve().parent.parent / "sql" / "schema.sql"
-    if checkout.is_file():  # running from a source checkout
-        return checkout.read_text("utf-8")
-    return resources.files("relay.schema").joinpath("schema.sql").read_text("utf-8")
+    try:
+        return resources.files("relay.schema").joinpath("schema.sql").read_text("utf-8")
+    except ModuleNotFoundError:  # imported from a source checkout that is not installed
+        return (Path(__file__).resolve().parent.parent / "sql" / "schema.sql").read_text("utf-8")
 
 
 class Tables:

@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port)
         resolver.run()
         return 0
+    except ConfigError as exc:
+        print(f"outbox-resolver: error: {exc}", file=sys.stderr)
+        return 2
     except StartupCheckError as exc:
         print(f"outbox-resolver: error: {exc}", file=sys.stderr)
         return 3

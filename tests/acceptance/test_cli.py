@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,8 @@ from tests.conftest import ROOT, Env
 SECRET = "s3cr3t-pw"
 
 
-def run(program: str, *args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def run(program: str, *args: str, env: dict[str, str],
+        timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", program, *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -112,7 +114,7 @@ def test_unreachable_servers_are_retried_and_the_password_never_logged(env: Env)
     assert proc.poll() is None  # still retrying, not exited
     proc.terminate()
     assert proc.wait(10) == 0
-    log = open(proc.log_path).read()  # type: ignore[attr-defined]
+    log = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
     assert "reconnect to postgresql failed" in log
     assert SECRET not in log
 

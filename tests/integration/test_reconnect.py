@@ -1,0 +1,115 @@
+"""Servers going away mid-stream: the relay reconnects with backoff and loses nothing.
+
+These tests restart servers, so they run on servers of their own (never on the shared ones
+or on servers named by OUTBOX_TEST_* variables).
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from devenv import checker
+from devenv.servers import PostgresServer, RabbitServer
+from relay.migrate import migrate
+from tests.conftest import ROOT, Env
+from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
+
+
+@pytest.fixture(scope="module")
+def own_pg() -> Iterator[PostgresServer]:
+    with PostgresServer(max_prepared_transactions=16) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def own_rabbit() -> Iterator[RabbitServer]:
+    with RabbitServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_env(own_pg: PostgresServer, own_rabbit: RabbitServer) -> Iterator[Env]:
+    uid = secrets.token_hex(4)
+    e = Env(db_url=own_pg.url, amqp_url=own_rabbit.url, table=f"outbox_r{uid}",
+            gid_prefix=f"r{uid}", ledger_stream=f"test.ledger.{uid}",
+            exchange=f"test.events.{uid}", queue=f"test.sink.{uid}")
+    migrate(e.db_url, e.table)
+    conn = pika.BlockingConnection(pika.URLParameters(e.amqp_url))
+    channel = conn.channel()
+    channel.exchange_declare(e.exchange, exchange_type="topic", durable=True)
+    channel.queue_declare(e.queue, durable=True)
+    channel.queue_bind(e.queue, e.exchange, routing_key="#")
+    conn.close()
+    yield e
+    for proc in e.processes:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def resolve_once(env: Env) -> None:
+    result = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_rabbitmq_restart_mid_stream(own_env: Env, own_rabbit: RabbitServer) -> None:
+    env = own_env
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 4000, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    relay = env.spawn("relay", OUTBOX_BATCH_SIZE="50", OUTBOX_POLL_MIN_INTERVAL="0.02",
+                      OUTBOX_CONFIRM_TIMEOUT="5", OUTBOX_RECONNECT_MAX_DELAY="2")
+    wait_until(lambda: outbox_count(env) < 3500, 60, "the relay to make progress")
+    own_rabbit.kill()
+    time.sleep(2)
+    assert relay.poll() is None, log_of(relay)  # a transient fault never ends the relay
+    own_rabbit.restart()
+    wait_until(lambda: outbox_count(env) == 0, 120, "the outbox to empty after the restart")
+    assert stop(relay) == 0, log_of(relay)
+    resolve_once(env)  # nothing should be left for it, but a batch may be in doubt
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    with env.connect() as conn:
+        report = checker.check(produced, deliveries, conn=conn, table=env.table,
+                               gid_prefix=env.gid_prefix)
+    # Only the batch in flight when the broker died may be delivered twice.
+    assert report.ok(max_duplicates=50), report.summary()
+    log = log_of(relay)
+    assert log.count("rabbitmq connection lost") == 1, log  # logged once per state change
+    assert log.count("rabbitmq reconnected") == 1, log
+
+
+def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None:
+    env = own_env
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 4000, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    relay = env.spawn("relay", OUTBOX_BATCH_SIZE="50", OUTBOX_POLL_MIN_INTERVAL="0.02",
+                      OUTBOX_RECONNECT_MAX_DELAY="2")
+    wait_until(lambda: outbox_count(env) < 3500, 60, "the relay to make progress")
+    own_pg.kill()  # immediate crash: prepared transactions must survive it
+    time.sleep(1)
+    assert relay.poll() is None, log_of(relay)
+    own_pg.restart()
+    wait_until(lambda: outbox_count(env) == 0, 120, "the outbox to empty after the restart")
+    # The relay finishes its own decided batch after reconnecting; the resolver any other.
+    wait_until(lambda: not in_doubt(env) or relay.poll() is not None, 10, "the relay to finish")
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(30) == 0, log_of(relay)
+    resolve_once(env)
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    with env.connect() as conn:
+        report = checker.check(produced, deliveries, conn=conn, table=env.table,
+                               gid_prefix=env.gid_prefix)
+    assert report.ok(max_duplicates=50), report.summary()
+    log = log_of(relay)
+    assert log.count("postgresql connection lost") == 1, log
+    assert log.count("postgresql reconnected") == 1, log

@@ -64,6 +64,13 @@ def _tempdir() -> Any:
     return tempfile.TemporaryDirectory(prefix="outbox-demo-")
 
 
+def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for proc in processes:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def run(args: argparse.Namespace, db_url: str, amqp_url: str, logdir: Path,
         stack: ExitStack) -> int:
     migrate(db_url, "outbox")
@@ -94,7 +101,7 @@ def run(args: argparse.Namespace, db_url: str, amqp_url: str, logdir: Path,
     healthy = _spawn("relay-2", "relay", env, logdir)
     resolver = _spawn("resolver", "resolver", {**env, "OUTBOX_RESOLVER_INTERVAL": "0.5"}, logdir)
     processes = [doomed, healthy, resolver]
-    stack.callback(lambda: [p.kill() for p in processes if p.poll() is None])
+    stack.callback(_kill_all, processes)
 
     killed_at = None
     recovered_at = None

@@ -79,15 +79,15 @@ def _error(summary: str, logs: list[Path], output: str = "") -> ServerError:
     return ServerError("\n".join(parts))
 
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """Return (state, ppid, pgrp) of a process from /proc, or None if it does not exist."""
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """Return (ppid, pgrp) of a process from /proc, or None if it does not exist."""
     try:
         data = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
     # The command name is in parentheses and may itself contain spaces or parentheses.
     fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[1]), int(fields[2])
+    return int(fields[1]), int(fields[2])
 
 
 def _alive(pid: int) -> bool:
@@ -107,7 +107,8 @@ def _alive(pid: int) -> bool:
             data = Path(f"/proc/{pid}/task/{tid}/stat").read_bytes()
         except OSError:
             continue
-        if data[data.rindex(b")") + 2 : data.rindex(b")") + 3] not in (b"Z", b"X"):
+        state = data[data.rindex(b")") + 2 :].split(maxsplit=1)[0]
+        if state not in (b"Z", b"X"):
             return True
     return False
 
@@ -122,7 +123,7 @@ def _descendants(pid: int) -> list[int]:
     for other in _all_pids():
         stat = _proc_stat(other)
         if stat is not None and _alive(other):
-            children.setdefault(stat[1], []).append(other)
+            children.setdefault(stat[0], []).append(other)
     found: list[int] = []
     todo = [pid]
     while todo:
@@ -137,7 +138,7 @@ def _group_members(pgid: int) -> list[int]:
     members = []
     for pid in _all_pids():
         stat = _proc_stat(pid)
-        if stat is not None and stat[2] == pgid and _alive(pid):
+        if stat is not None and stat[1] == pgid and _alive(pid):
             members.append(pid)
     return members
 
@@ -239,6 +240,7 @@ class PostgresServer:
         self.directory: Path | None = None
         self._bindir = _pg_bindir()
         self._owner_pid = os.getpid()
+        self._database_created = False
         self._as_user: tuple[int, int] | None = None
         if os.geteuid() == 0:
             try:
@@ -293,9 +295,7 @@ class PostgresServer:
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
-            raise _error(
-                f"PostgreSQL {what} timed out after {timeout:.0f} s", [self.log_path]
-            ) from exc
+            raise _error(f"PostgreSQL {what} timed out after {timeout:.0f} s", [self.log_path]) from exc
         except OSError as exc:
             raise _error(f"PostgreSQL {what} could not run: {exc}", [self.log_path]) from exc
         if proc.returncode != 0:
@@ -334,7 +334,7 @@ class PostgresServer:
 
     def _initdb(self) -> None:
         directory = self._dir()
-        self.socket_dir.mkdir()
+        self.socket_dir.mkdir(exist_ok=True)
         if self._as_user is not None:
             for path in (directory, self.socket_dir):
                 os.chown(path, *self._as_user)
@@ -342,10 +342,13 @@ class PostgresServer:
             "initdb",
             [
                 str(self._bindir / "initdb"),
-                "-D", str(self.data_dir),
-                "-U", "postgres",  # fixed superuser name whatever OS user runs the server
+                "-D",
+                str(self.data_dir),
+                "-U",
+                "postgres",  # fixed superuser name whatever OS user runs the server
                 "--auth=trust",
-                "-E", "UTF8",
+                "-E",
+                "UTF8",
                 "--locale=C",
                 "--no-sync",  # a throwaway cluster need not be flushed to disk
             ],
@@ -392,10 +395,10 @@ class PostgresServer:
         """Start the server (initdb first if needed), wait until it accepts connections."""
         if self.running:
             return
-        first = self.directory is None
-        if first:
+        if self.directory is None:
             self.directory = _make_dir("outbox-pg-", self.base_dir)
             _LIVE.add(self)
+        if not (self.data_dir / "PG_VERSION").exists():  # also retries a failed initdb
             self._initdb()
         self._remove_stale_locks()  # left by a crash we did not cause, see there
         if not _port_is_free(self.port):
@@ -403,17 +406,23 @@ class PostgresServer:
         self._run(
             "start",
             [
-                str(self._bindir / "pg_ctl"), "start",
-                "-D", str(self.data_dir),
-                "-l", str(self.log_path),
-                "-w", "-t", str(int(timeout)),
+                str(self._bindir / "pg_ctl"),
+                "start",
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_path),
+                "-w",
+                "-t",
+                str(int(timeout)),
                 "-s",
             ],
             timeout=timeout + 15,
         )
         self._wait_ready(timeout)
-        if first:
+        if not self._database_created:
             self._create_database()
+            self._database_created = True
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server with pg_ctl; mode "immediate" skips the checkpoint (a crash)."""
@@ -424,10 +433,15 @@ class PostgresServer:
         self._run(
             f"stop -m {mode}",
             [
-                str(self._bindir / "pg_ctl"), "stop",
-                "-D", str(self.data_dir),
-                "-m", mode,
-                "-w", "-t", "60",
+                str(self._bindir / "pg_ctl"),
+                "stop",
+                "-D",
+                str(self.data_dir),
+                "-m",
+                mode,
+                "-w",
+                "-t",
+                "60",
                 "-s",
             ],
             timeout=75,
@@ -483,6 +497,7 @@ class PostgresServer:
         self.kill()  # no-op unless something survived the stop
         shutil.rmtree(self.directory, ignore_errors=True)
         self.directory = None
+        self._database_created = False
         _LIVE.discard(self)
 
     def __enter__(self) -> PostgresServer:
@@ -606,9 +621,7 @@ class RabbitServer:
                 "RABBITMQ_LOGS": str(self.log_path),
                 "RABBITMQ_PID_FILE": str(d / "rabbitmq.pid"),
                 # The distribution listener would bind to all interfaces otherwise.
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
-                    "-kernel inet_dist_use_interface {127,0,0,1}"
-                ),
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": ("-kernel inet_dist_use_interface {127,0,0,1}"),
                 # Only matters if no epmd runs yet and ours starts one.
                 "ERL_EPMD_ADDRESS": _LOOPBACK,
                 "ERL_CRASH_DUMP": str(d / "erl_crash.dump"),
@@ -668,9 +681,11 @@ class RabbitServer:
         while not self._amqp_ready():
             code = self._proc.poll()
             if code is not None:
-                self._reap_group()
+                self._terminate(None)  # helpers may outlive a failed boot
                 raise _error(
-                    f"RabbitMQ node {self.node_name} exited with code {code}", self._logs()
+                    # The start script exits 0 even when the node failed to boot.
+                    f"RabbitMQ node {self.node_name} exited during startup (script exit {code})",
+                    self._logs(),
                 )
             if time.monotonic() >= deadline:
                 self.kill()
@@ -681,41 +696,90 @@ class RabbitServer:
                 )
             time.sleep(0.25)
 
-    def _reap_group(self, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Signal what is left of the process group and wait for all of it to be gone."""
+    def wait_queues(self, *names: str, timeout: float = 30.0) -> None:
+        """Wait until each named queue (default vhost) is online, e.g. after a restart.
+
+        AMQP accepts connections before stream and quorum queues are back: for a moment they
+        answer 404 "home node ... is down or inaccessible". A passive declare is the probe.
+        """
+        import pika
+
+        deadline = time.monotonic() + timeout
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(self.url))) as conn:
+            for name in names:
+                while True:
+                    channel = conn.channel()
+                    try:
+                        channel.queue_declare(name, passive=True)
+                    except pika.exceptions.ChannelClosedByBroker as exc:
+                        if time.monotonic() >= deadline:
+                            raise _error(
+                                f"RabbitMQ queue {name!r} not online after {timeout:.0f} s: {exc.reply_text}",
+                                [self.log_path],
+                            ) from exc
+                        time.sleep(0.1)
+                        continue
+                    channel.close()
+                    break
+
+    def _processes(self) -> list[int]:
+        """Every live process of the node: its process group and all descendants.
+
+        erl_child_setup and the port programs it spawns (the disk monitor's sh) call setsid(),
+        so they are outside our process group. They exit by themselves once beam.smp is gone,
+        but are counted so that stop()/kill() return only when nothing of the node is left.
+        """
         if self._proc is None:
-            return
+            return []
         pgid = self._proc.pid  # start_new_session made the script the group leader
+        return sorted(set(_group_members(pgid)) | set(_descendants(pgid)))
+
+    def _signal_and_wait(self, sig: signal.Signals, timeout: float) -> bool:
+        """Signal the node's processes; True once all of them are gone within the timeout."""
+        assert self._proc is not None
+        pgid = self._proc.pid
+        # Taken before signalling: once the script dies, beam.smp is reparented away from it.
+        victims = self._processes()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
+        if sig == signal.SIGKILL:
+            for pid in victims:
+                _signal(pid, sig)
+        return _wait_for(
+            lambda: not _group_members(pgid) and not any(_alive(pid) for pid in victims),
+            timeout,
+        )
+
+    def _terminate(self, graceful_timeout: float | None) -> None:
+        """SIGTERM (if a timeout is given) then SIGKILL the node, and wait until it is gone."""
+        if self._proc is None:
+            return
+        gone = graceful_timeout is not None and self._signal_and_wait(signal.SIGTERM, graceful_timeout)
+        if not gone and not self._signal_and_wait(signal.SIGKILL, 15):
+            raise _error(f"RabbitMQ processes {self._processes()} survived SIGKILL", self._logs())
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=15)
-        if not _wait_for(lambda: not _group_members(pgid), timeout=15):
-            raise _error(
-                f"RabbitMQ processes {_group_members(pgid)} survived {sig.name}", self._logs()
-            )
+            self._proc.wait(timeout=5)  # reap the script, our child
         self._proc = None
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop gracefully: SIGTERM the process group, then SIGKILL it after the timeout."""
-        if self._proc is None:
-            return
-        pgid = self._proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        _wait_for(lambda: self._proc is None or not _group_members(pgid), timeout, 0.1)
-        self._reap_group(signal.SIGKILL)
+        self._terminate(timeout)
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (a crash); the shared epmd is not in it."""
-        self._reap_group(signal.SIGKILL)
+        """SIGKILL the node's processes (a crash); the shared epmd is never one of them.
+
+        Pitfall (RabbitMQ 3.10, not this module): a node killed within about a second of
+        declaring its first stream comes back with that stream permanently "down" (the stream
+        coordinator's registration was not on disk yet). Give it a second or two first.
+        """
+        self._terminate(None)
 
     def restart(self, timeout: float = 60.0) -> None:
         """Start again on the same port, node name and data directory."""
         if self.running:
             self.stop()
         else:
-            self._reap_group()  # helpers of a node that died on its own
+            self._terminate(None)  # whatever is left of a node that died on its own
         self.start(timeout)
 
     def cleanup(self) -> None:

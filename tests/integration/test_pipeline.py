@@ -44,6 +44,9 @@ def log_of(proc: subprocess.Popen[bytes]) -> str:
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    """SIGTERM once the program has installed its handlers (a SIGTERM during imports kills it)."""
+    wait_until(lambda: proc.poll() is not None or " started" in log_of(proc), 30,
+               "the program to start")
     proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout)
 
@@ -126,9 +129,12 @@ def test_resolver_leaves_a_live_relays_young_batch_alone(env: Env) -> None:
         assert once.returncode == 0, once.stderr
         assert in_doubt(env) == [gid]
         # Past the hard limit the resolver acts even though the relay looks alive.
+        wait_until(lambda: holder.execute(
+            "SELECT now() - prepared > interval '1.5 s' FROM pg_prepared_xacts WHERE gid = %s",
+            (gid,)).fetchone() == (True,), 10, "the batch to age")
         once = subprocess.run(
             [sys.executable, "-m", "resolver", "--once"],
-            env=env.cli_env(OUTBOX_RESOLVER_HARD_LIMIT="0.5"), capture_output=True, timeout=60,
+            env=env.cli_env(OUTBOX_RESOLVER_HARD_LIMIT="1"), capture_output=True, timeout=60,
             text=True)
         assert once.returncode == 0, once.stderr
         assert "in-doubt batch rolled back" in once.stderr

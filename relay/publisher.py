@@ -171,6 +171,10 @@ class AmqpPublisher:
         self._result = PublishResult()
         self._pending.clear()
         self._by_message_id = {m.message_id: m.row_id for m in messages}
+        if not self.connected:
+            # Never blame rows for a channel that was already gone: roll back, reconnect.
+            self._result.transient = "RabbitMQ channel not open"
+            return self._result
         half = len(messages) // 2
         try:
             for index, message in enumerate(messages):

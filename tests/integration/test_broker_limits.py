@@ -1,0 +1,63 @@
+"""A message the broker itself refuses by closing the channel: the culprit is found and
+dead-lettered, the rows around it are delivered. Runs on a RabbitMQ of its own with a small
+max_message_size."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from devenv import checker
+from devenv.servers import RabbitServer
+from relay.migrate import migrate
+from tests.conftest import Env
+from tests.integration.test_dead_letter import dead_letters, insert_row, run_until_empty
+from tests.integration.test_smoke_pipeline import make_relay
+
+LIMIT = 65536
+
+
+@pytest.fixture(scope="module")
+def small_rabbit() -> Iterator[RabbitServer]:
+    with RabbitServer(extra_conf=[f"max_message_size = {LIMIT}"]) as server:
+        yield server
+
+
+def test_broker_refusing_a_message_fails_only_that_row(env: Env,
+                                                       small_rabbit: RabbitServer) -> None:
+    uid = secrets.token_hex(3)
+    env.amqp_url = small_rabbit.url
+    env.table, env.gid_prefix = f"outbox_l{uid}", f"l{uid}"
+    migrate(env.db_url, env.table)
+    conn = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
+    channel = conn.channel()
+    channel.exchange_declare(env.exchange, exchange_type="topic", durable=True)
+    channel.queue_declare(env.queue, durable=True)
+    channel.queue_bind(env.queue, env.exchange, routing_key="#")
+    conn.close()
+    with env.connect() as db:
+        head = checker.insert_events(db, env.table, 60, exchange=env.exchange,
+                                     routing_key=env.routing_key, prefix="head")
+        insert_row(env, message_id="too-big-for-the-broker", exchange=env.exchange,
+                   routing_key="x", payload=None, payload_bytes=b"z" * (LIMIT * 2))
+        tail = checker.insert_events(db, env.table, 60, exchange=env.exchange,
+                                     routing_key=env.routing_key, prefix="tail")
+    # The relay's own limit is left at its default: only the broker knows this one.
+    relay = make_relay(env, batch_size=50, max_attempts=3)
+    run_until_empty(env, relay, rounds=600)
+    relay.close()
+    dead = dead_letters(env)
+    assert list(dead) == ["too-big-for-the-broker"], dead
+    attempts, error = dead["too-big-for-the-broker"]
+    assert attempts == 3 and "channel closed" in error, error
+    produced = head + tail
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    report = checker.check(produced, deliveries)
+    # Rows unconfirmed when the channel closed may have reached the queue: at most one batch
+    # of copies, each with the same message_id.
+    assert not report.lost and not report.unexpected, report.summary()
+    assert report.duplicates <= 50, report.summary()
+    assert relay.metrics.failures.labels("channel_closed")._value.get() >= 3

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from relay.errors import ConfigError
 from relay.gid import PREFIX_RE
@@ -80,7 +80,7 @@ def _url(*schemes: str) -> Callable[[str], str]:
 def table_name(text: str) -> str:
     """``table`` or ``schema.table``, each part a plain identifier of at most 40 characters."""
     parts = text.split(".")
-    if len(parts) > 2 or not all(_IDENT_RE.match(part) for part in parts):
+    if len(parts) > 2 or not all(_IDENT_RE.fullmatch(part) for part in parts):
         raise ValueError(
             "must be a table name like outbox or myschema.outbox "
             "(letters, digits and _, at most 40 characters a part)"
@@ -89,19 +89,19 @@ def table_name(text: str) -> str:
 
 
 def _gid_prefix(text: str) -> str:
-    if not PREFIX_RE.match(text):
+    if not PREFIX_RE.fullmatch(text):
         raise ValueError("must be 1-32 characters: a lowercase letter, then a-z, 0-9, _ or -")
     return text
 
 
 def _stream(text: str) -> str:
-    if not _STREAM_RE.match(text):
+    if not _STREAM_RE.fullmatch(text):
         raise ValueError("must be a queue name of letters, digits and _.:-")
     return text
 
 
 def _max_age(text: str) -> str:
-    if not _MAX_AGE_RE.match(text):
+    if not _MAX_AGE_RE.fullmatch(text):
         raise ValueError("must be a RabbitMQ max-age such as 7D, 12h or 90m")
     return text
 
@@ -116,16 +116,16 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***``: the only form a URL is ever shown in."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = parts.netloc.rsplit("@", 1)[1]
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-    except ValueError:
-        return "<unparsable URL>"
+    """The URL with its password replaced by ``***``: the only form a URL is ever shown in.
+
+    Split by hand, not with urlsplit: libpq accepts an unencoded ``#`` or ``?`` in a password,
+    where urlsplit would end the host part early and miss the password.
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
 DATABASE_URL = Option(

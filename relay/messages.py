@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import pika
@@ -19,11 +20,22 @@ def _shortstr(name: str, value: str) -> str | None:
     return None
 
 
+def amqp_value(value: Any) -> Any:
+    """JSON to AMQP table values: pika encodes no floats, so a fractional number is a decimal."""
+    if isinstance(value, float):
+        return Decimal(repr(value))
+    if isinstance(value, dict):
+        return {k: amqp_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [amqp_value(v) for v in value]
+    return value
+
+
 def _headers_error(headers: Any) -> str | None:
     if not isinstance(headers, dict):
         return f"headers must be a JSON object, got {type(headers).__name__}"
     try:
-        pika.data.encode_table([], headers)
+        pika.data.encode_table([], amqp_value(headers))
     except Exception as exc:
         return f"headers cannot be encoded as an AMQP table: {exc}"
     return None
@@ -49,7 +61,7 @@ def to_message(row: OutboxRow, *, max_bytes: int) -> Message | str:
         delivery_mode=2,
         message_id=row.message_id,
         content_type=content_type,
-        headers=row.headers or None,
+        headers=amqp_value(row.headers) or None,
         timestamp=int(row.created_at.timestamp()),
     )
     return Message(row.id, row.message_id, row.exchange, row.routing_key, body, properties)

@@ -72,9 +72,11 @@ def is_connection_error(exc: BaseException) -> bool:
 def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) -> None:
     """Fail fast with one clear line when 2PC is off or (given ``tables``) the schema is missing."""
     names = tables or Tables("outbox")
-    row = conn.execute(
-        names.query("server_check"), {"outbox": names.name, "dead_letter": names.dead_letter_name}
-    ).fetchone()
+    # to_regclass parses its argument as SQL: pass the quoted identifiers, not the bare names,
+    # or a mixed-case table would be folded to lower case and not found.
+    row = conn.execute(names.query("server_check"), {
+        "outbox": names.outbox.as_string(None), "dead_letter": names.dead_letter.as_string(None),
+    }).fetchone()
     assert row is not None
     max_prepared, has_outbox, has_dead_letter, version = row
     if max_prepared <= 0:

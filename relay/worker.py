@@ -119,10 +119,11 @@ class Relay:
 
         # 2. PREPARE TRANSACTION: the claim is durable; the rows stay locked until the outcome.
         gid = self._next_gid()
-        self.store.prepare(gid)
         # Until COMMIT/ROLLBACK PREPARED returns, an exception leaves the decision here for the
-        # loop to apply after reconnecting: roll back unless the ledger record is confirmed.
+        # loop to apply after reconnecting: roll back unless the ledger record is confirmed. Set
+        # before PREPARE: its reply can be lost after the server prepared the transaction.
         self._unfinished = (gid, False)
+        self.store.prepare(gid)
         self.fault("after_prepare")
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once.
@@ -141,13 +142,13 @@ class Relay:
         if committed:
             self.fault("after_ledger")
             # 5. COMMIT PREPARED.
-            self._finish(gid, commit=True, size=len(rows))
+            if self._finish(gid, commit=True, size=len(rows)):
+                self.metrics.events_published.inc(len(messages))
+                self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
             self.fault("after_commit")
-            self.metrics.events_published.inc(len(messages))
         else:
             self._finish(gid, commit=False, size=len(rows))
             self._settle(result, batch_size=len(messages))
-        self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
         return len(rows)
@@ -169,8 +170,11 @@ class Relay:
         self._sequence += 1
         return str(Gid(self.settings.gid_prefix, self.instance, self._sequence))
 
-    def _finish(self, gid: str, *, commit: bool, size: int) -> None:
-        """COMMIT or ROLLBACK PREPARED; if PostgreSQL is gone, the decision waits in _unfinished."""
+    def _finish(self, gid: str, *, commit: bool, size: int) -> bool:
+        """COMMIT or ROLLBACK PREPARED; if PostgreSQL is gone, the decision waits in _unfinished.
+
+        True when this call finished the transaction, False when it no longer existed.
+        """
         try:
             done = self.store.finish(gid, commit=commit)
         except Exception as exc:
@@ -179,15 +183,17 @@ class Relay:
             raise
         self._unfinished = None
         if not done:
-            # The resolver (or a race) finished it first: duplicates are possible, loss is not.
+            # The resolver (or a race) finished it first, or (rolling back after a lost PREPARE
+            # reply) it was never prepared: duplicates are possible, loss is not.
             log.warning("prepared batch already finished by someone else",
                         extra={"action": "batch_finished_elsewhere", "gid": gid, "batch_size": size})
             self.metrics.batches.labels("finished_elsewhere").inc()
-            return
+            return False
         outcome = "committed" if commit else "rolled_back"
         self.metrics.batches.labels(outcome).inc()
         log.log(logging.DEBUG if commit else logging.WARNING, "batch %s", outcome.replace("_", " "),
                 extra={"action": f"batch_{outcome}", "gid": gid, "batch_size": size})
+        return True
 
     def _settle(self, result: PublishResult, *, batch_size: int) -> None:
         """A failed batch was rolled back: forget what was delivered, count what failed."""
@@ -234,7 +240,8 @@ class Relay:
             if claimed:
                 idle = self.settings.poll_min_interval
             else:
-                idle = min(max(idle * 2, self.settings.poll_min_interval),
+                # Doubling from zero stays zero: start empty-poll waits at 1 ms at least.
+                idle = min(max(idle * 2, self.settings.poll_min_interval, 0.001),
                            self.settings.poll_max_interval)
             self.publisher.idle(idle)
         self.close()

@@ -126,14 +126,13 @@ def server_url(server: PostgresServer | RabbitServer | External) -> str:
     return server.url
 
 
-@pytest.fixture
-def env(pg_server: PostgresServer | External,
-        rabbit_server: RabbitServer | External) -> Iterator[Env]:
+def make_env(db_url: str, amqp_url: str, tag: str = "t") -> Env:
+    """A fresh corner of the servers: migrated table, exchange and bound queue, unique names."""
     uid = secrets.token_hex(4)
     e = Env(
-        db_url=server_url(pg_server), amqp_url=server_url(rabbit_server),
-        table=f"outbox_t{uid}", gid_prefix=f"t{uid}", ledger_stream=f"test.ledger.{uid}",
-        exchange=f"test.events.{uid}", queue=f"test.sink.{uid}",
+        db_url=db_url, amqp_url=amqp_url, table=f"outbox_{tag}{uid}", gid_prefix=f"{tag}{uid}",
+        ledger_stream=f"test.ledger.{uid}", exchange=f"test.events.{uid}",
+        queue=f"test.sink.{uid}",
     )
     migrate(e.db_url, e.table)
     conn, channel = e.amqp_channel()
@@ -141,12 +140,25 @@ def env(pg_server: PostgresServer | External,
     channel.queue_declare(e.queue, durable=True)
     channel.queue_bind(e.queue, e.exchange, routing_key="#")
     conn.close()
-    yield e
+    return e
+
+
+def finish_env(e: Env, *, drop: bool = True) -> None:
+    """Kill what the test left running; drop its tables, queues and prepared transactions."""
     for proc in e.processes:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    _drop(e)
+    if drop:
+        _drop(e)
+
+
+@pytest.fixture
+def env(pg_server: PostgresServer | External,
+        rabbit_server: RabbitServer | External) -> Iterator[Env]:
+    e = make_env(server_url(pg_server), server_url(rabbit_server))
+    yield e
+    finish_env(e)
 
 
 def _drop(e: Env) -> None:

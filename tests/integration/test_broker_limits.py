@@ -4,16 +4,13 @@ max_message_size."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 
-import pika
 import pytest
 
 from devenv import checker
 from devenv.servers import RabbitServer
-from relay.migrate import migrate
-from tests.conftest import Env
+from tests.conftest import Env, make_env
 from tests.integration.test_dead_letter import dead_letters, insert_row, run_until_empty
 from tests.integration.test_smoke_pipeline import make_relay
 
@@ -28,16 +25,7 @@ def small_rabbit() -> Iterator[RabbitServer]:
 
 def test_broker_refusing_a_message_fails_only_that_row(env: Env,
                                                        small_rabbit: RabbitServer) -> None:
-    uid = secrets.token_hex(3)
-    env.amqp_url = small_rabbit.url
-    env.table, env.gid_prefix = f"outbox_l{uid}", f"l{uid}"
-    migrate(env.db_url, env.table)
-    conn = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
-    channel = conn.channel()
-    channel.exchange_declare(env.exchange, exchange_type="topic", durable=True)
-    channel.queue_declare(env.queue, durable=True)
-    channel.queue_bind(env.queue, env.exchange, routing_key="#")
-    conn.close()
+    env = make_env(env.db_url, small_rabbit.url, tag="l")
     with env.connect() as db:
         head = checker.insert_events(db, env.table, 60, exchange=env.exchange,
                                      routing_key=env.routing_key, prefix="head")

@@ -6,7 +6,6 @@ or on servers named by OUTBOX_TEST_* variables).
 
 from __future__ import annotations
 
-import secrets
 import signal
 import subprocess
 import sys
@@ -18,8 +17,7 @@ import pytest
 
 from devenv import checker
 from devenv.servers import PostgresServer, RabbitServer
-from relay.migrate import migrate
-from tests.conftest import ROOT, Env
+from tests.conftest import ROOT, Env, finish_env, make_env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
 
@@ -37,22 +35,9 @@ def own_rabbit() -> Iterator[RabbitServer]:
 
 @pytest.fixture
 def own_env(own_pg: PostgresServer, own_rabbit: RabbitServer) -> Iterator[Env]:
-    uid = secrets.token_hex(4)
-    e = Env(db_url=own_pg.url, amqp_url=own_rabbit.url, table=f"outbox_r{uid}",
-            gid_prefix=f"r{uid}", ledger_stream=f"test.ledger.{uid}",
-            exchange=f"test.events.{uid}", queue=f"test.sink.{uid}")
-    migrate(e.db_url, e.table)
-    conn = pika.BlockingConnection(pika.URLParameters(e.amqp_url))
-    channel = conn.channel()
-    channel.exchange_declare(e.exchange, exchange_type="topic", durable=True)
-    channel.queue_declare(e.queue, durable=True)
-    channel.queue_bind(e.queue, e.exchange, routing_key="#")
-    conn.close()
+    e = make_env(own_pg.url, own_rabbit.url, tag="r")
     yield e
-    for proc in e.processes:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    finish_env(e, drop=False)  # the servers go away with the module
 
 
 def resolve_once(env: Env) -> None:

@@ -41,3 +41,30 @@ def test_events_are_relayed_exactly_once(env: Env) -> None:
     assert report.ok(), report.summary()
     assert report.order_violations == {}
     assert relay.metrics.events_published._value.get() == 1200
+
+
+def test_a_mixed_case_schema_qualified_table_works_end_to_end(env: Env) -> None:
+    import psycopg
+    from psycopg import sql
+
+    from relay.migrate import migrate
+
+    mixed = Env(**{**env.__dict__, "table": f"OutboxSchema_{env.gid_prefix}.Events",
+                   "processes": []})
+    with env.connect() as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(
+            sql.Identifier(f"OutboxSchema_{env.gid_prefix}")))
+    try:
+        migrate(mixed.db_url, mixed.table)
+        with mixed.connect() as conn:
+            produced = checker.insert_events(conn, mixed.table, 20, exchange=env.exchange,
+                                             routing_key=env.routing_key)
+        relay = make_relay(mixed)
+        drain_relay(relay)  # connect() runs the schema check against the quoted names
+        relay.close()
+        deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+        assert checker.check(produced, deliveries).ok()
+    finally:
+        with psycopg.connect(env.db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(
+                sql.Identifier(f"OutboxSchema_{env.gid_prefix}")))

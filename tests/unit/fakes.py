@@ -1,0 +1,436 @@
+"""In-memory fakes of the relay's ``Store`` and ``Publisher`` protocols (``relay/worker.py``).
+
+No server, no socket, no sleep: a whole relay run is a few dictionary operations, so the unit
+tests of the loop logic run in milliseconds.
+
+``FakeStore`` models PostgreSQL as the protocol sees it: rows in a dict; ``claim`` opens the
+transaction and removes due rows into it; ``prepare`` moves that transaction under its gid;
+``finish`` commits or restores it; a lost connection aborts the open transaction but never a
+prepared one. ``FakePublisher`` is scripted per row id (confirm, nack, return, channel closed,
+connection lost, confirm timeout) and records what was published and what went to the ledger.
+
+Both write to one shared ``journal`` so a test can assert the order of calls across the two
+servers, and both can be told to raise on the next call of a method (``fail``). A misuse that the
+real servers would reject (claim inside an open transaction, PREPARE without one, publishing on
+a closed channel) raises ``ProtocolViolation`` instead of passing silently.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from relay.errors import TransientError
+from relay.publisher import Message, PublishResult
+from relay.store import OutboxRow, is_connection_error
+
+CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+class ProtocolViolation(AssertionError):
+    """The code under test did something the real server would refuse or that breaks the protocol."""
+
+
+@dataclass
+class _Fault:
+    exc: BaseException
+    apply: bool  # do the call's work first, then raise (the reply was lost)
+    disconnect: bool
+
+
+class _Scripted:
+    """Journal, one-shot faults and before-hooks shared by both fakes."""
+
+    def __init__(self, journal: list[str] | None) -> None:
+        self.journal: list[str] = journal if journal is not None else []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self._faults: dict[str, list[_Fault]] = {}
+        self._before: dict[str, list[Callable[[], object]]] = {}
+        self.is_connected = False
+
+    @property
+    def connected(self) -> bool:
+        return self.is_connected
+
+    def fail(self, method: str, exc: BaseException, *, apply: bool = False,
+             disconnect: bool | None = None) -> None:
+        """Raise ``exc`` on the next call of ``method``.
+
+        ``apply``: the server did the work but the reply was lost. ``disconnect`` (default: when
+        ``exc`` is a connection error, or a TransientError) also drops the connection.
+        """
+        if disconnect is None:
+            disconnect = is_connection_error(exc) or isinstance(exc, TransientError)
+        self._faults.setdefault(method, []).append(_Fault(exc, apply, disconnect))
+
+    def before(self, method: str, hook: Callable[[], object]) -> None:
+        """Run ``hook`` once, just before the next call of ``method`` does anything."""
+        self._before.setdefault(method, []).append(hook)
+
+    def _enter(self, method: str, entry: str, *, needs_connection: bool = True,
+               **args: Any) -> _Fault | None:
+        """Record the call; raise a scheduled fault now, or return one to raise after the work."""
+        self.journal.append(entry)
+        self.calls.append((method, args))
+        hooks = self._before.get(method)
+        if hooks:
+            hooks.pop(0)()
+        if needs_connection and not self.is_connected:
+            raise ProtocolViolation(f"{type(self).__name__}.{method} called while disconnected")
+        faults = self._faults.get(method)
+        fault = faults.pop(0) if faults else None
+        if fault is not None and not fault.apply:
+            self._raise(fault)
+        return fault
+
+    def _raise(self, fault: _Fault | None) -> None:
+        if fault is None:
+            return
+        if fault.disconnect:
+            self._lose_connection()
+        raise fault.exc
+
+    def _lose_connection(self) -> None:
+        self.is_connected = False
+
+    def called(self, method: str) -> list[dict[str, Any]]:
+        """The arguments of every call of ``method``, in order."""
+        return [args for name, args in self.calls if name == method]
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StoredRow:
+    """An outbox row at rest, with the columns the relay never sees (available_at)."""
+
+    id: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    ordering_key: str | None
+    payload: str | None
+    payload_bytes: bytes | None
+    headers: Any
+    content_type: str | None
+    created_at: datetime
+    attempts: int = 0
+    last_error: str | None = None
+    available_at: float = 0.0
+
+    def claimed(self) -> OutboxRow:
+        return OutboxRow(self.id, self.message_id, self.exchange, self.routing_key, self.ordering_key,
+                         self.payload, self.payload_bytes, self.headers, self.content_type,
+                         self.created_at, self.attempts, self.last_error)
+
+
+@dataclass
+class DeadRow:
+    row: StoredRow
+    error: str
+    attempts: int
+    reason: str  # "invalid" (claim transaction) or "exhausted" (settle_failed)
+
+
+@dataclass
+class Txn:
+    claimed: dict[int, StoredRow] = field(default_factory=dict)
+    dead: dict[int, tuple[StoredRow, str]] = field(default_factory=dict)
+
+
+class FakeStore(_Scripted):
+    """The outbox, its dead-letter table and PostgreSQL's prepared transactions, in memory.
+
+    ``now`` is the store's clock (seconds, starts at 0); rows are due when ``available_at <= now``.
+    Like the real claim query, a due row that failed before (``attempts > 0``) is claimed alone,
+    earliest ``available_at`` first; otherwise fresh due rows are claimed in id order.
+    """
+
+    def __init__(self, journal: list[str] | None = None, *, retry_alone: bool = True) -> None:
+        super().__init__(journal)
+        self.retry_alone = retry_alone
+        self.rows: dict[int, StoredRow] = {}
+        self.open: Txn | None = None
+        self.prepared: dict[str, Txn] = {}
+        self.dead_letter: dict[int, DeadRow] = {}
+        self.now = 0.0
+        self.lag = 0.0
+        self._next_id = 1
+
+    # -- test helpers ------------------------------------------------------------------------
+
+    def add(self, *, routing_key: str = "event.created", exchange: str = "events",
+            payload: str | None = '{"n": 1}', payload_bytes: bytes | None = None,
+            headers: Any = None, content_type: str | None = None, message_id: str | None = None,
+            attempts: int = 0, available_at: float = 0.0) -> int:
+        """Insert one row as a producer would; returns its id."""
+        row_id = self._next_id
+        self._next_id += 1
+        self.rows[row_id] = StoredRow(
+            row_id, message_id or f"msg-{row_id}", exchange, routing_key, None,
+            payload if payload_bytes is None else None, payload_bytes,
+            {} if headers is None else headers, content_type, CREATED_AT, attempts, None,
+            available_at)
+        return row_id
+
+    def add_many(self, count: int, **kwargs: Any) -> list[int]:
+        return [self.add(**kwargs) for _ in range(count)]
+
+    def locked_ids(self) -> set[int]:
+        """Rows claimed by an open or prepared transaction."""
+        txns = [*self.prepared.values(), *([self.open] if self.open else [])]
+        return {row_id for txn in txns for row_id in txn.claimed}
+
+    def resolve_elsewhere(self, *, commit: bool) -> None:
+        """Someone else (the resolver) finishes every prepared transaction."""
+        for gid in list(self.prepared):
+            self._apply(self.prepared.pop(gid), commit=commit)
+
+    # -- the Store protocol ------------------------------------------------------------------
+
+    def connect(self, lock_class: int, instance: int) -> None:
+        fault = self._enter("connect", "pg_connect", needs_connection=False,
+                            lock_class=lock_class, instance=instance)
+        self.is_connected = True
+        self._raise(fault)
+
+    def close(self) -> None:
+        self._enter("close", "pg_close", needs_connection=False)
+        self._lose_connection()
+
+    def reset(self) -> None:
+        self._enter("reset", "reset", needs_connection=False)
+        if self.is_connected:
+            self._abort_open()
+
+    def claim(self, limit: int) -> list[OutboxRow]:
+        fault = self._enter("claim", "claim", limit=limit)
+        if self.open is not None:
+            raise ProtocolViolation("claim (BEGIN) inside an open transaction")
+        due = [r for r in self.rows.values() if r.available_at <= self.now]
+        retry = sorted((r for r in due if r.attempts > 0), key=lambda r: (r.available_at, r.id))
+        if self.retry_alone and retry:
+            taken = retry[:1]
+        else:
+            pool = due if not self.retry_alone else [r for r in due if r.attempts == 0]
+            taken = sorted(pool, key=lambda r: r.id)[:limit]
+        self.open = Txn({r.id: self.rows.pop(r.id) for r in taken})
+        self._raise(fault)
+        return [r.claimed() for r in taken]
+
+    def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None:
+        fault = self._enter("dead_letter_claimed", "dead_letter_claimed",
+                            rows=[(r.id, error) for r, error in rows])
+        if self.open is None:
+            raise ProtocolViolation("dead_letter_claimed outside the claim transaction")
+        for row, error in rows:
+            if row.id not in self.open.claimed:
+                raise ProtocolViolation(f"row {row.id} dead-lettered but not claimed")
+            self.open.dead[row.id] = (self.open.claimed[row.id], error)
+        self._raise(fault)
+
+    def rollback(self) -> None:
+        fault = self._enter("rollback", "rollback")
+        self._abort_open()
+        self._raise(fault)
+
+    def prepare(self, gid: str) -> None:
+        fault = self._enter("prepare", "prepare", gid=gid)
+        if self.open is None:
+            raise ProtocolViolation("PREPARE TRANSACTION without an open transaction")
+        if gid in self.prepared:
+            raise ProtocolViolation(f"transaction identifier {gid!r} is already in use")
+        self.prepared[gid], self.open = self.open, None
+        self._raise(fault)
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        fault = self._enter("finish", "commit_prepared" if commit else "rollback_prepared",
+                            gid=gid, commit=commit)
+        if self.open is not None:
+            raise ProtocolViolation("COMMIT/ROLLBACK PREPARED inside a transaction block")
+        txn = self.prepared.pop(gid, None)
+        if txn is not None:
+            self._apply(txn, commit=commit)
+        self._raise(fault)
+        return txn is not None
+
+    def settle_failed(self, delivered: Sequence[int], failures: Mapping[int, str],
+                      attributed: Sequence[int], *, max_attempts: int, base_delay: float,
+                      max_delay: float) -> list[int]:
+        fault = self._enter("settle_failed", "settle_failed", delivered=list(delivered),
+                            failures=dict(failures), attributed=list(attributed),
+                            max_attempts=max_attempts, base_delay=base_delay, max_delay=max_delay)
+        if self.open is not None:
+            raise ProtocolViolation("settle_failed inside the claim transaction")
+        # Rows locked by another transaction are skipped (SKIP LOCKED): they are not in self.rows.
+        for row_id in delivered:
+            self.rows.pop(row_id, None)
+        for row_id, error in failures.items():
+            row = self.rows.get(row_id)
+            if row is None:
+                continue
+            row.available_at = self.now + min(max_delay, base_delay * 2 ** row.attempts)
+            row.attempts += 1
+            row.last_error = error
+        dead = []
+        for row_id in attributed:
+            row = self.rows.get(row_id)
+            if row is not None and row.attempts >= max_attempts:
+                del self.rows[row_id]
+                self.dead_letter[row_id] = DeadRow(row, row.last_error or "unknown error",
+                                                   row.attempts, "exhausted")
+                dead.append(row_id)
+        self._raise(fault)
+        return dead
+
+    def stats(self) -> tuple[int, float]:
+        fault = self._enter("stats", "stats")
+        self._raise(fault)
+        return len(self.rows) + len(self.locked_ids()), self.lag
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _apply(self, txn: Txn, *, commit: bool) -> None:
+        if commit:
+            for row_id, (row, error) in txn.dead.items():
+                self.dead_letter[row_id] = DeadRow(row, error, row.attempts + 1, "invalid")
+        else:
+            self.rows.update(txn.claimed)
+
+    def _abort_open(self) -> None:
+        if self.open is not None:
+            self.rows.update(self.open.claimed)
+            self.open = None
+
+    def _lose_connection(self) -> None:
+        # The server aborts the session's open transaction; prepared ones survive.
+        super()._lose_connection()
+        self._abort_open()
+
+
+# -- RabbitMQ -----------------------------------------------------------------------------------
+
+
+class Outcome(enum.Enum):
+    CONFIRM = "confirm"
+    NACK = "nack"
+    RETURN = "return"  # basic.return (unroutable), then the ack
+    CLOSE_CHANNEL = "close_channel"  # the broker closes the channel: this and every later row suspect
+    LOSE_CONNECTION = "lose_connection"  # the socket dies here: this and every later row unknown
+    TIMEOUT = "timeout"  # no confirm within the confirm timeout: the batch is transient
+
+
+CHANNEL_CLOSED = "channel closed by the broker: (406, 'PRECONDITION_FAILED - message rejected')"
+
+
+@dataclass(frozen=True)
+class LedgerRecord:
+    gid: str
+    count: int
+    instance: str
+
+
+class FakePublisher(_Scripted):
+    """A confirm-mode channel whose answer for each row is scripted (default: confirm).
+
+    Simplification: rows before a channel close or a lost connection are confirmed (the real
+    publisher may still be waiting for their confirms; then they are suspect or unknown too).
+    """
+
+    def __init__(self, journal: list[str] | None = None, *, missing: set[str] | None = None,
+                 confirm_timeout: float = 30.0) -> None:
+        super().__init__(journal)
+        self.missing: set[str] = set(missing or ())
+        self.confirm_timeout = confirm_timeout
+        self._script: dict[int, list[tuple[Outcome, int | None]]] = {}
+        self.batches: list[list[Message]] = []  # every publish_batch call
+        self.published: list[Message] = []  # every message written to the channel
+        self.confirmed: list[Message] = []  # every message the broker confirmed
+        self.ledger: list[LedgerRecord] = []
+        self.exchange_checks: list[set[str]] = []
+        self.idles: list[float] = []
+
+    def script(self, row_id: int, outcome: Outcome, *, times: int | None = None) -> None:
+        """The broker's answer for ``row_id``: always, or for its next ``times`` publishes."""
+        self._script.setdefault(row_id, []).append((outcome, times))
+
+    def published_ids(self) -> list[int]:
+        return [m.row_id for m in self.published]
+
+    def _outcome(self, row_id: int) -> Outcome:
+        steps = self._script.get(row_id)
+        if not steps:
+            return Outcome.CONFIRM
+        outcome, times = steps[0]
+        if times is not None:
+            if times <= 1:
+                steps.pop(0)
+            else:
+                steps[0] = (outcome, times - 1)
+        return outcome
+
+    # -- the Publisher protocol --------------------------------------------------------------
+
+    def connect(self) -> None:
+        fault = self._enter("connect", "amqp_connect", needs_connection=False)
+        self.is_connected = True
+        self._raise(fault)
+
+    def close(self) -> None:
+        self._enter("close", "amqp_close", needs_connection=False)
+        self._lose_connection()
+
+    def idle(self, seconds: float) -> None:
+        self._enter("idle", "idle", needs_connection=False, seconds=seconds)
+        self.idles.append(seconds)
+
+    def missing_exchanges(self, names: set[str]) -> dict[str, str]:
+        fault = self._enter("missing_exchanges", "missing_exchanges", names=set(names))
+        self.exchange_checks.append(set(names))
+        self._raise(fault)
+        return {name: f"exchange {name!r} not found (404 NOT_FOUND - no exchange {name!r} in vhost '/')"
+                for name in names if name in self.missing}
+
+    def publish_batch(self, messages: Sequence[Message]) -> PublishResult:
+        fault = self._enter("publish_batch", "publish", row_ids=[m.row_id for m in messages])
+        self.batches.append(list(messages))
+        result = PublishResult()
+        pending: set[int] = set()
+        stopped: str | None = None
+        for message in messages:
+            self.published.append(message)
+            outcome = self._outcome(message.row_id)
+            if outcome is Outcome.CONFIRM:
+                result.confirmed.add(message.row_id)
+                self.confirmed.append(message)
+            elif outcome is Outcome.NACK:
+                result.failed[message.row_id] = "nacked by the broker"
+            elif outcome is Outcome.RETURN:
+                result.failed[message.row_id] = (
+                    f"unroutable: 312 NO_ROUTE (exchange {message.exchange!r}, "
+                    f"routing key {message.routing_key!r})")
+            elif outcome is Outcome.TIMEOUT:
+                pending.add(message.row_id)
+            else:
+                stopped = CHANNEL_CLOSED if outcome is Outcome.CLOSE_CHANNEL else None
+                result.transient = (None if stopped else
+                                    "RabbitMQ connection lost: ConnectionResetError")
+                self._lose_connection()
+                break
+        unconfirmed = {m.row_id for m in messages} - result.confirmed - result.failed.keys()
+        if stopped is not None:
+            result.suspect.update(dict.fromkeys(sorted(unconfirmed), stopped))
+        elif pending and result.transient is None:
+            result.transient = f"no confirm within {self.confirm_timeout:g} s"
+            self._lose_connection()
+        self._raise(fault)
+        return result
+
+    def record_batch(self, gid: str, count: int, instance: str) -> None:
+        fault = self._enter("record_batch", "ledger", gid=gid, count=count, instance=instance)
+        self.ledger.append(LedgerRecord(gid, count, instance))
+        self._raise(fault)

@@ -1,0 +1,272 @@
+"""Settings: precedence, validation, error messages that name the setting and hide secrets."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import pytest
+
+from relay import config
+from relay.config import (
+    RELAY_OPTIONS,
+    RESOLVER_OPTIONS,
+    RelaySettings,
+    ResolverSettings,
+    redact_url,
+    resolve,
+)
+from relay.errors import ConfigError
+
+REQUIRED = {"OUTBOX_DATABASE_URL": "postgresql://relay:pw@db:5432/app",
+            "OUTBOX_AMQP_URL": "amqp://relay:pw@mq:5672/"}
+
+
+def ns(**flags: Any) -> argparse.Namespace:
+    return argparse.Namespace(**flags)
+
+
+def relay_values(flags: dict[str, Any] | None = None, /, **env: str) -> dict[str, Any]:
+    return resolve(ns(**(flags or {})), RELAY_OPTIONS, {**REQUIRED, **env})
+
+
+def relay_error(flags: dict[str, Any] | None = None, /, **env: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        relay_values(flags, **env)
+    return str(info.value)
+
+
+# -- precedence -------------------------------------------------------------------------------
+
+
+def test_flag_wins_over_env_and_default() -> None:
+    values = relay_values({"batch_size": "7"}, OUTBOX_BATCH_SIZE="9")
+
+    assert values["batch_size"] == 7
+
+
+def test_env_wins_over_default() -> None:
+    assert relay_values(OUTBOX_BATCH_SIZE="9")["batch_size"] == 9
+
+
+def test_default_applies_when_neither_flag_nor_env_is_set() -> None:
+    values = relay_values()
+
+    assert values["batch_size"] == 500
+    assert values["table"] == "outbox"
+    assert values["gid_prefix"] == "outbox"
+
+
+def test_empty_env_var_counts_as_unset() -> None:
+    assert relay_values(OUTBOX_BATCH_SIZE="")["batch_size"] == 500
+
+
+def test_values_are_parsed_to_their_types() -> None:
+    values = relay_values(OUTBOX_CONFIRM_TIMEOUT="2.5", OUTBOX_METRICS_PORT="0")
+
+    assert values["confirm_timeout"] == 2.5
+    assert isinstance(values["confirm_timeout"], float)
+    assert values["metrics_port"] == 0
+
+
+def test_resolve_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in REQUIRED.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OUTBOX_MAX_ATTEMPTS", "4")
+
+    assert resolve(ns(), RELAY_OPTIONS)["max_attempts"] == 4
+
+
+@pytest.mark.parametrize(("options", "settings"), [
+    (RELAY_OPTIONS, RelaySettings), (RESOLVER_OPTIONS, ResolverSettings)])
+def test_option_defaults_match_the_settings_defaults(options: tuple[config.Option, ...],
+                                                      settings: type[Any]) -> None:
+    values = resolve(ns(), options, REQUIRED)
+    defaults = {f.name: f.default for f in dataclasses.fields(settings)
+                if f.default is not dataclasses.MISSING}
+
+    assert {k: v for k, v in values.items() if k in defaults} == defaults
+    assert set(values) == {f.name for f in dataclasses.fields(settings)}
+
+
+def test_add_options_makes_flags_whose_help_names_the_env_var() -> None:
+    parser = argparse.ArgumentParser()
+    config.add_options(parser, RELAY_OPTIONS)
+    help_text = " ".join(parser.format_help().split())
+
+    assert parser.parse_args(["--batch-size", "3"]).batch_size == "3"
+    assert parser.parse_args([]).batch_size is None
+    assert "env OUTBOX_BATCH_SIZE; default: 500" in help_text
+    assert "env OUTBOX_DATABASE_URL; required" in help_text
+
+
+# -- required and secret settings -------------------------------------------------------------
+
+
+def test_missing_required_setting_names_env_var_and_flag() -> None:
+    with pytest.raises(ConfigError, match=r"^OUTBOX_AMQP_URL \(or --amqp-url\) is required$"):
+        resolve(ns(), RELAY_OPTIONS, {"OUTBOX_DATABASE_URL": REQUIRED["OUTBOX_DATABASE_URL"]})
+
+
+@pytest.mark.parametrize("url", ["mysql://relay:hunter2@db/app", "relay:hunter2@db:5432",
+                                 "http://relay:hunter2@db/app"])
+def test_bad_database_url_is_refused_without_showing_it(url: str) -> None:
+    message = relay_error(OUTBOX_DATABASE_URL=url)
+
+    assert message.startswith("OUTBOX_DATABASE_URL ")
+    assert "hunter2" not in message
+    assert "<hidden>" in message
+
+
+@pytest.mark.parametrize("url", ["http://guest:hunter2@mq/", "amqpx://guest:hunter2@mq/",
+                                 "guest:hunter2@mq"])
+def test_bad_amqp_url_is_refused_without_showing_it(url: str) -> None:
+    message = relay_error(OUTBOX_AMQP_URL=url)
+
+    assert message == "OUTBOX_AMQP_URL must start with amqp:// or amqps:// (got <hidden>)"
+
+
+def test_bad_url_given_as_flag_names_the_flag_and_hides_it() -> None:
+    message = relay_error({"database_url": "mysql://u:hunter2@db/app"})
+
+    assert message.startswith("--database-url ")
+    assert "hunter2" not in message
+
+
+@pytest.mark.parametrize("url", ["postgresql://u:p@db/app", "postgres://db/app",
+                                 "postgresql:///app?host=/run/postgresql"])
+def test_postgres_url_schemes_are_accepted(url: str) -> None:
+    assert relay_values(OUTBOX_DATABASE_URL=url)["database_url"] == url
+
+
+@pytest.mark.parametrize("url", ["amqp://guest:guest@localhost:5672/%2F", "amqps://mq.example/"])
+def test_amqp_url_schemes_are_accepted(url: str) -> None:
+    assert relay_values(OUTBOX_AMQP_URL=url)["amqp_url"] == url
+
+
+# -- validators -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [
+    'out"box', "outbox;drop table x", "a.b.c", "1outbox", "a" * 41, "my schema.outbox",
+    "schema.", ".outbox", "out-box", "outbox'", "sch.tab" + "x" * 38, "ünïcode",
+])
+def test_bad_table_names_are_refused(name: str) -> None:
+    message = relay_error(OUTBOX_TABLE=name)
+
+    assert message.startswith("OUTBOX_TABLE must be a table name")
+    assert repr(name) in message
+
+
+@pytest.mark.parametrize("name", ["outbox", "myschema.outbox", "a" * 40, "_x", "S1.T_2",
+                                  "a" * 40 + "." + "b" * 40])
+def test_plain_table_names_are_accepted(name: str) -> None:
+    assert config.table_name(name) == name
+
+
+@pytest.mark.parametrize("prefix", ["a" * 33, "Outbox", "1relay", "out'box", 'out"box', "a:b",
+                                    "a b", "-x"])
+def test_bad_gid_prefixes_are_refused(prefix: str) -> None:
+    message = relay_error(OUTBOX_GID_PREFIX=prefix)
+
+    assert message.startswith("OUTBOX_GID_PREFIX must be 1-32 characters")
+
+
+@pytest.mark.parametrize("prefix", ["a", "a" * 32, "relay-eu_1"])
+def test_good_gid_prefixes_are_accepted(prefix: str) -> None:
+    assert relay_values(OUTBOX_GID_PREFIX=prefix)["gid_prefix"] == prefix
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("OUTBOX_BATCH_SIZE", "0"), ("OUTBOX_BATCH_SIZE", "-5"), ("OUTBOX_BATCH_SIZE", "1.5"),
+    ("OUTBOX_BATCH_SIZE", "many"), ("OUTBOX_MAX_ATTEMPTS", "0"),
+    ("OUTBOX_MAX_MESSAGE_BYTES", "-1"), ("OUTBOX_CONFIRM_TIMEOUT", "0"),
+    ("OUTBOX_CONFIRM_TIMEOUT", "-1"), ("OUTBOX_CONFIRM_TIMEOUT", "nan"),
+    ("OUTBOX_RETRY_BASE_DELAY", "-0.5"), ("OUTBOX_RETRY_MAX_DELAY", "-1"),
+    ("OUTBOX_POLL_MIN_INTERVAL", "-0.001"), ("OUTBOX_POLL_MAX_INTERVAL", "0"),
+    ("OUTBOX_STATS_INTERVAL", "0"), ("OUTBOX_CONNECT_TIMEOUT", "-3"),
+    ("OUTBOX_RECONNECT_MAX_DELAY", "0"), ("OUTBOX_METRICS_PORT", "-1"),
+    ("OUTBOX_METRICS_PORT", "65536"),
+])
+def test_bad_numbers_are_refused_naming_the_env_var_and_value(env: str, value: str) -> None:
+    message = relay_error(**{env: value})
+
+    assert message.startswith(f"{env} ")
+    assert message.endswith(f"(got {value!r})")
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("OUTBOX_LOG_LEVEL", "TRACE"), ("OUTBOX_LOG_LEVEL", "info"), ("OUTBOX_LOG_FORMAT", "xml"),
+    ("OUTBOX_LEDGER_STREAM", "bad stream"), ("OUTBOX_LEDGER_STREAM", "x" * 201),
+    ("OUTBOX_LEDGER_MAX_AGE", "7d"), ("OUTBOX_LEDGER_MAX_AGE", "0D"), ("OUTBOX_LEDGER_MAX_AGE", "D"),
+    ("OUTBOX_LEDGER_MAX_AGE", "7 D"),
+])
+def test_bad_choices_streams_and_ages_are_refused(env: str, value: str) -> None:
+    assert relay_error(**{env: value}).startswith(f"{env} must be")
+
+
+@pytest.mark.parametrize("age", ["7D", "12h", "90m", "1Y", "6M", "3600s"])
+def test_rabbitmq_max_ages_are_accepted(age: str) -> None:
+    assert relay_values(OUTBOX_LEDGER_MAX_AGE=age)["ledger_max_age"] == age
+
+
+def test_flag_error_names_the_flag() -> None:
+    assert relay_error({"batch_size": "0"}).startswith("--batch-size must be a positive integer")
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("OUTBOX_TABLE", "outbox\n"), ("OUTBOX_GID_PREFIX", "outbox\n"),
+    ("OUTBOX_LEDGER_STREAM", "outbox.ledger\n"), ("OUTBOX_LEDGER_MAX_AGE", "7D\n"),
+])
+def test_trailing_newline_is_refused(env: str, value: str) -> None:
+    relay_error(**{env: value})
+
+
+# -- cross-field checks -----------------------------------------------------------------------
+
+
+def test_poll_min_above_max_is_refused() -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_POLL_MIN_INTERVAL must not exceed OUTBOX_POLL_MAX"):
+        RelaySettings("postgresql://db", "amqp://mq", poll_min_interval=1.0, poll_max_interval=0.5)
+
+
+def test_retry_base_above_max_is_refused() -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_RETRY_BASE_DELAY must not exceed OUTBOX_RETRY_MAX"):
+        RelaySettings("postgresql://db", "amqp://mq", retry_base_delay=10.0, retry_max_delay=5.0)
+
+
+def test_equal_min_and_max_are_accepted() -> None:
+    settings = RelaySettings("postgresql://db", "amqp://mq", poll_min_interval=0.5,
+                             poll_max_interval=0.5, retry_base_delay=2.0, retry_max_delay=2.0)
+
+    assert settings.poll_min_interval == settings.poll_max_interval == 0.5
+
+
+# -- redaction --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://relay:hunter2@db:5432/app", "postgresql://relay:***@db:5432/app"),
+    ("amqp://guest:guest@mq:5672/%2F?heartbeat=30", "amqp://guest:***@mq:5672/%2F?heartbeat=30"),
+    ("postgresql://relay:p@ss@db/app", "postgresql://relay:***@db/app"),
+    ("amqp://:token@mq/", "amqp://:***@mq/"),
+    ("postgresql://relay:pw@[::1]:5432/app", "postgresql://relay:***@[::1]:5432/app"),
+])
+def test_redact_url_replaces_the_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("url", ["postgresql://relay@db/app", "postgresql://db/app",
+                                 "amqp://mq", "postgresql:///app?host=/tmp"])
+def test_redact_url_keeps_urls_without_password(url: str) -> None:
+    assert redact_url(url) == url
+
+
+def test_redact_url_hides_the_password_of_unparsable_urls() -> None:
+    assert redact_url("postgresql://u:pw@[::1/app") == "postgresql://u:***@[::1/app"
+
+
+@pytest.mark.parametrize("url", ["postgresql://relay:s3cr#et@db/app", "postgresql://relay:s3cr?et@db/app"])
+def test_redact_url_never_shows_a_password_with_url_delimiters(url: str) -> None:
+    assert "s3cr" not in redact_url(url)

@@ -1,0 +1,84 @@
+"""Crash points: the relay kills itself at a named step only when the environment asks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from relay.faults import CRASH_POINTS, crash_hook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record os.kill calls instead of dying."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: calls.append((pid, sig)))
+    return calls
+
+
+def test_hook_is_a_no_op_without_the_env_var(kills: list[tuple[int, int]]) -> None:
+    hook = crash_hook({})
+
+    for point in CRASH_POINTS:
+        hook(point)
+
+    assert kills == []
+
+
+def test_empty_env_var_disables_the_hook(kills: list[tuple[int, int]]) -> None:
+    hook = crash_hook({"OUTBOX_TEST_CRASH_AT": ""})
+
+    hook("after_claim")
+
+    assert kills == []
+
+
+def test_unknown_crash_point_is_refused() -> None:
+    with pytest.raises(ValueError, match="OUTBOX_TEST_CRASH_AT must be one of after_claim, "):
+        crash_hook({"OUTBOX_TEST_CRASH_AT": "after_lunch"})
+
+
+def test_hook_kills_the_process_only_at_its_point(kills: list[tuple[int, int]]) -> None:
+    hook = crash_hook({"OUTBOX_TEST_CRASH_AT": "after_ledger"})
+
+    for point in ("after_claim", "after_prepare", "mid_publish", "after_publish"):
+        hook(point)
+    assert kills == []
+    hook("after_ledger")
+
+    assert kills == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_crash_after_skips_that_many_passes(kills: list[tuple[int, int]]) -> None:
+    hook = crash_hook({"OUTBOX_TEST_CRASH_AT": "after_prepare", "OUTBOX_TEST_CRASH_AFTER": "2"})
+
+    hook("after_prepare")
+    hook("after_prepare")
+    hook("after_commit")
+    assert kills == []
+    hook("after_prepare")
+
+    assert len(kills) == 1
+
+
+def test_hook_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch,
+                                          kills: list[tuple[int, int]]) -> None:
+    monkeypatch.setenv("OUTBOX_TEST_CRASH_AT", "after_commit")
+    monkeypatch.delenv("OUTBOX_TEST_CRASH_AFTER", raising=False)
+
+    crash_hook()("after_commit")
+
+    assert len(kills) == 1
+
+
+def test_every_point_the_code_passes_is_a_known_crash_point() -> None:
+    source = "\n".join(p.read_text() for p in (ROOT / "relay").glob("*.py"))
+    passed = set(re.findall(r"fault\(\"(\w+)\"\)", source))
+
+    assert passed == set(CRASH_POINTS)

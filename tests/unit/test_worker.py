@@ -1,0 +1,893 @@
+"""The relay loop (``relay.worker.Relay``) against the in-memory fakes: the protocol, step by step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+
+from relay.config import RelaySettings
+from relay.errors import BatchFailed, TransientError
+from relay.gid import Gid, lock_class
+from relay.metrics import RelayMetrics
+from relay.worker import Relay, failure_reason
+from tests.unit.fakes import CHANNEL_CLOSED, FakePublisher, FakeStore, LedgerRecord, Outcome
+
+INSTANCE = 0xABC
+
+
+class Crash(Exception):
+    """Stands in for the process dying at a crash point."""
+
+
+@dataclass
+class Rig:
+    relay: Relay
+    store: FakeStore
+    publisher: FakePublisher
+    journal: list[str]
+    faults: list[str] = field(default_factory=list)
+    sleeps: list[float] = field(default_factory=list)
+
+    def step(self) -> int:
+        """One turn of the loop without its error handling: reconnect, then one batch."""
+        self.relay._ensure_connected()
+        return self.relay.run_batch()
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.relay.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def batches(self, outcome: str) -> float:
+        return self.metric("outbox_relay_batches_total", outcome=outcome)
+
+    def failures(self, reason: str) -> float:
+        return self.metric("outbox_relay_publish_failures_total", reason=reason)
+
+    def dead_lettered(self, reason: str) -> float:
+        return self.metric("outbox_relay_dead_lettered_total", reason=reason)
+
+    def gid(self, sequence: int) -> str:
+        return str(Gid(self.relay.settings.gid_prefix, INSTANCE, sequence))
+
+
+def make_rig(monkeypatch: pytest.MonkeyPatch, *, missing: set[str] | None = None,
+             crash_at: str | None = None, connect: bool = True, **overrides: Any) -> Rig:
+    values: dict[str, Any] = dict(
+        database_url="postgresql://relay:secret@db/app", amqp_url="amqp://relay:secret@mq/",
+        batch_size=10, max_attempts=3, retry_base_delay=0.0, retry_max_delay=0.0,
+        poll_min_interval=0.01, poll_max_interval=0.08, max_message_bytes=1000,
+    )
+    values.update(overrides)
+    journal: list[str] = []
+    store = FakeStore(journal)
+    publisher = FakePublisher(journal, missing=missing)
+    faults: list[str] = []
+
+    def fault(point: str) -> None:
+        journal.append(f"@{point}")
+        faults.append(point)
+        if point == crash_at:
+            raise Crash(point)
+
+    relay = Relay(RelaySettings(**values), store, publisher, metrics=RelayMetrics(), fault=fault,
+                  instance=INSTANCE)
+    rig = Rig(relay, store, publisher, journal, faults)
+    monkeypatch.setattr(relay, "_sleep", rig.sleeps.append)
+    if connect:
+        relay._ensure_connected()
+        journal.clear()
+    return rig
+
+
+@pytest.fixture
+def rig(monkeypatch: pytest.MonkeyPatch) -> Rig:
+    return make_rig(monkeypatch)
+
+
+def strip_faults(journal: list[str]) -> list[str]:
+    return [entry for entry in journal if not entry.startswith("@")]
+
+
+# -- a clean batch ----------------------------------------------------------------------------
+
+
+def test_clean_batch_commits_after_the_ledger_record_in_protocol_order(rig: Rig) -> None:
+    rig.store.add_many(3)
+
+    assert rig.relay.run_batch() == 3
+
+    assert strip_faults(rig.journal) == [
+        "claim", "missing_exchanges", "prepare", "publish", "ledger", "commit_prepared"]
+
+
+def test_clean_batch_empties_the_outbox_and_leaves_no_prepared_transaction(rig: Rig) -> None:
+    rig.store.add_many(3)
+
+    rig.relay.run_batch()
+
+    assert rig.store.rows == {}
+    assert rig.store.prepared == {}
+    assert rig.store.open is None
+    assert rig.relay._unfinished is None
+
+
+def test_clean_batch_publishes_rows_in_id_order_with_their_message_ids(rig: Rig) -> None:
+    ids = [rig.store.add(message_id=f"evt-{n}") for n in range(3)]
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == ids
+    assert [m.message_id for m in rig.publisher.published] == ["evt-0", "evt-1", "evt-2"]
+    assert [m.properties.message_id for m in rig.publisher.published] == ["evt-0", "evt-1", "evt-2"]
+
+
+def test_ledger_record_names_the_prepared_gid_the_count_and_the_instance(rig: Rig) -> None:
+    rig.store.add_many(2)
+
+    rig.relay.run_batch()
+
+    prepared_gid = rig.store.called("prepare")[0]["gid"]
+    assert prepared_gid == "outbox:00000abc:1"
+    assert rig.publisher.ledger == [LedgerRecord(prepared_gid, 2, "00000abc")]
+    assert rig.store.called("finish") == [{"gid": prepared_gid, "commit": True}]
+
+
+def test_each_batch_gets_a_new_gid_with_the_next_sequence(rig: Rig) -> None:
+    rig.store.add_many(3)
+
+    for _ in range(3):
+        rig.step()
+        rig.store.add()
+
+    assert [c["gid"] for c in rig.store.called("prepare")] == [rig.gid(1), rig.gid(2), rig.gid(3)]
+
+
+def test_claim_asks_for_the_configured_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(5)
+
+    assert rig.relay.run_batch() == 2
+
+    assert rig.store.called("claim") == [{"limit": 2}]
+    assert sorted(rig.store.rows) == [3, 4, 5]
+
+
+def test_missing_exchanges_is_asked_once_with_the_batch_exchanges(rig: Rig) -> None:
+    rig.store.add(exchange="a")
+    rig.store.add(exchange="b")
+    rig.store.add(exchange="a")
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.exchange_checks == [{"a", "b"}]
+
+
+def test_clean_batch_moves_the_metrics(rig: Rig) -> None:
+    rig.store.add_many(4)
+
+    rig.relay.run_batch()
+
+    assert rig.metric("outbox_relay_events_published_total") == 4
+    assert rig.batches("committed") == 1
+    assert rig.batches("rolled_back") == 0
+    assert rig.metric("outbox_relay_batch_size_events_count") == 1
+    assert rig.metric("outbox_relay_batch_size_events_sum") == 4
+    assert rig.metric("outbox_relay_batch_duration_seconds_count") == 1
+
+
+# -- an empty claim ---------------------------------------------------------------------------
+
+
+def test_empty_claim_rolls_back_and_prepares_nothing(rig: Rig) -> None:
+    assert rig.relay.run_batch() == 0
+
+    assert rig.journal == ["claim", "rollback"]
+    assert rig.store.prepared == {}
+    assert rig.store.open is None
+    assert rig.publisher.batches == []
+    assert rig.faults == []
+
+
+def test_empty_claim_counts_no_batch(rig: Rig) -> None:
+    rig.relay.run_batch()
+
+    assert rig.batches("committed") == rig.batches("rolled_back") == 0
+    assert rig.metric("outbox_relay_batch_size_events_count") == 0
+
+
+def test_rows_not_yet_due_are_not_claimed(rig: Rig) -> None:
+    rig.store.add(available_at=10.0)
+
+    assert rig.relay.run_batch() == 0
+
+    assert list(rig.store.rows) == [1]
+
+
+# -- rows the broker refuses ------------------------------------------------------------------
+
+
+def test_returned_message_fails_only_its_row(rig: Rig) -> None:
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.RETURN)
+
+    rig.relay.run_batch()
+
+    assert "commit_prepared" not in rig.journal
+    assert "ledger" not in rig.journal
+    assert rig.journal[-2:] == ["rollback_prepared", "settle_failed"]
+    assert list(rig.store.rows) == [ids[1]]
+    row = rig.store.rows[ids[1]]
+    assert row.attempts == 1
+    assert row.last_error is not None and row.last_error.startswith("unroutable: 312 NO_ROUTE")
+
+
+def test_returned_message_settles_confirmed_rows_as_delivered(rig: Rig) -> None:
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.RETURN)
+
+    rig.relay.run_batch()
+
+    settled = rig.store.called("settle_failed")[0]
+    assert settled["delivered"] == [ids[0], ids[2]]
+    assert list(settled["failures"]) == [ids[1]]
+    assert settled["attributed"] == [ids[1]]
+
+
+def test_confirmed_rows_of_a_failed_batch_are_not_republished_on_retry(rig: Rig) -> None:
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.RETURN, times=1)
+
+    rig.step()
+    rig.step()
+
+    assert rig.publisher.published_ids() == [ids[0], ids[1], ids[2], ids[1]]
+    assert rig.store.rows == {}
+    assert rig.batches("rolled_back") == 1
+    assert rig.batches("committed") == 1
+
+
+def test_nacked_message_fails_only_its_row(rig: Rig) -> None:
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[2], Outcome.NACK)
+
+    rig.relay.run_batch()
+
+    assert "commit_prepared" not in rig.journal
+    assert list(rig.store.rows) == [ids[2]]
+    assert rig.store.rows[ids[2]].attempts == 1
+    assert rig.store.rows[ids[2]].last_error == "nacked by the broker"
+    assert rig.store.called("settle_failed")[0]["delivered"] == [ids[0], ids[1]]
+    assert rig.failures("nacked") == 1
+    assert rig.failures("unroutable") == 0
+
+
+def test_refused_row_is_dead_lettered_after_max_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=2)
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.NACK)
+
+    rig.step()
+    assert rig.store.dead_letter == {}
+    rig.step()
+
+    assert rig.store.rows == {}
+    assert rig.store.dead_letter[row_id].reason == "exhausted"
+    assert rig.store.dead_letter[row_id].error == "nacked by the broker"
+    assert rig.dead_lettered("exhausted") == 1
+
+
+def test_failures_back_off_with_the_configured_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, retry_base_delay=1.5, retry_max_delay=60.0, max_attempts=7)
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.RETURN)
+
+    rig.relay.run_batch()
+
+    settled = rig.store.called("settle_failed")[0]
+    assert (settled["base_delay"], settled["max_delay"], settled["max_attempts"]) == (1.5, 60.0, 7)
+    assert rig.store.rows[row_id].available_at == 1.5
+    assert rig.relay.run_batch() == 0  # not due yet
+
+
+# -- a channel closed by the broker -----------------------------------------------------------
+
+
+def test_channel_closed_makes_unconfirmed_rows_suspect(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=1)
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.CLOSE_CHANNEL)
+
+    rig.relay.run_batch()
+
+    assert "commit_prepared" not in rig.journal
+    assert sorted(rig.store.rows) == [ids[1], ids[2]]
+    for row_id in ids[1:]:
+        assert rig.store.rows[row_id].attempts == 1
+        assert rig.store.rows[row_id].last_error == CHANNEL_CLOSED
+
+
+def test_suspects_in_a_batch_of_several_are_never_dead_lettered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=1)
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.CLOSE_CHANNEL)
+
+    rig.relay.run_batch()
+
+    assert rig.store.called("settle_failed")[0]["attributed"] == []
+    assert rig.store.dead_letter == {}
+    assert rig.dead_lettered("exhausted") == 0
+    assert rig.failures("channel_closed") == 2
+
+
+def test_suspect_alone_in_its_batch_is_dead_lettered_after_max_attempts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=3)
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.CLOSE_CHANNEL)
+
+    rig.step()
+    rig.step()
+    assert rig.store.rows[row_id].attempts == 2
+    assert rig.store.dead_letter == {}
+    rig.step()
+
+    assert rig.store.rows == {}
+    assert rig.store.dead_letter[row_id].reason == "exhausted"
+    assert rig.store.dead_letter[row_id].attempts == 3
+    assert rig.dead_lettered("exhausted") == 1
+
+
+def test_channel_close_culprit_is_isolated_and_the_rest_delivered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=2)
+    ids = rig.store.add_many(4)
+    rig.publisher.script(ids[1], Outcome.CLOSE_CHANNEL)
+
+    for _ in range(6):
+        rig.step()
+
+    assert rig.store.rows == {}
+    assert list(rig.store.dead_letter) == [ids[1]]
+    assert sorted(m.row_id for m in rig.publisher.confirmed) == [ids[0], ids[2], ids[3]]
+    assert len(rig.publisher.confirmed) == 3  # every healthy row confirmed exactly once
+
+
+def test_closed_channel_is_reopened_before_the_next_batch(rig: Rig) -> None:
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.CLOSE_CHANNEL, times=1)
+    rig.step()
+    assert not rig.publisher.connected
+
+    rig.step()
+
+    assert rig.journal.count("amqp_connect") == 1
+    assert rig.store.rows == {}
+    assert rig.batches("committed") == 1
+
+
+# -- connection loss and other transient results --------------------------------------------
+
+
+def test_connection_loss_rolls_back_and_counts_no_attempts(rig: Rig) -> None:
+    ids = rig.store.add_many(3)
+    rig.publisher.script(ids[1], Outcome.LOSE_CONNECTION, times=1)
+
+    rig.relay.run_batch()
+
+    assert "commit_prepared" not in rig.journal
+    assert "rollback_prepared" in rig.journal
+    assert sorted(rig.store.rows) == [ids[1], ids[2]]
+    assert all(r.attempts == 0 and r.last_error is None for r in rig.store.rows.values())
+    assert rig.store.called("settle_failed")[0]["failures"] == {}
+    assert rig.failures("connection_lost") == 1
+    assert rig.batches("rolled_back") == 1
+
+
+def test_confirm_timeout_rolls_back_and_counts_no_attempts(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    rig.publisher.script(ids[0], Outcome.TIMEOUT, times=1)
+
+    rig.relay.run_batch()
+
+    assert rig.store.rows[ids[0]].attempts == 0
+    assert ids[1] not in rig.store.rows  # confirmed: delivered, forgotten
+    assert rig.failures("confirm_timeout") == 1
+    assert rig.store.dead_letter == {}
+
+
+def test_rows_of_a_lost_connection_go_out_after_reconnecting(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    rig.publisher.script(ids[0], Outcome.LOSE_CONNECTION, times=1)
+
+    rig.step()
+    rig.step()
+
+    assert rig.store.rows == {}
+    assert [m.row_id for m in rig.publisher.confirmed] == ids
+    assert rig.journal.count("amqp_connect") == 1
+
+
+# -- the ledger record ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [BatchFailed("ledger record not confirmed: nacked"),
+                                   TransientError("RabbitMQ connection lost")])
+def test_ledger_failure_rolls_back_and_never_commits(rig: Rig, error: Exception) -> None:
+    rig.store.add_many(2)
+    rig.publisher.fail("record_batch", error)
+
+    rig.relay.run_batch()
+
+    assert "commit_prepared" not in rig.journal
+    assert rig.journal[rig.journal.index("ledger") + 1] == "rollback_prepared"
+    assert rig.batches("rolled_back") == 1
+    assert rig.failures("ledger") == 1
+    assert rig.metric("outbox_relay_events_published_total") == 0
+
+
+def test_ledger_failure_counts_no_attempts_and_forgets_confirmed_rows(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    rig.publisher.fail("record_batch", BatchFailed("ledger record not confirmed"))
+
+    rig.relay.run_batch()
+
+    settled = rig.store.called("settle_failed")[0]
+    assert settled["delivered"] == ids
+    assert settled["failures"] == {}
+
+
+def test_unexpected_ledger_error_leaves_the_rollback_decision(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.publisher.fail("record_batch", RuntimeError("bug"))
+
+    with pytest.raises(RuntimeError):
+        rig.relay.run_batch()
+    assert rig.relay._unfinished == (rig.gid(1), False)
+    rig.relay._ensure_connected()
+
+    assert "commit_prepared" not in rig.journal
+    assert rig.journal[-1] == "rollback_prepared"
+    assert sorted(rig.store.rows) == [1, 2]
+
+
+# -- exchanges that do not exist ----------------------------------------------------------------
+
+
+def test_missing_exchange_fails_only_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, missing={"gone"})
+    ok1 = rig.store.add(exchange="events")
+    bad = rig.store.add(exchange="gone")
+    ok2 = rig.store.add(exchange="events")
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [ok1, ok2]
+    assert "commit_prepared" not in rig.journal
+    assert list(rig.store.rows) == [bad]
+    failed = rig.store.rows[bad]
+    assert failed.attempts == 1
+    assert failed.last_error is not None
+    assert failed.last_error.startswith("exchange 'gone' not found")
+    assert rig.failures("exchange_not_found") == 1
+
+
+def test_rows_of_a_missing_exchange_are_attributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, missing={"gone"}, max_attempts=1)
+    rig.store.add(exchange="events")
+    bad = rig.store.add(exchange="gone")
+
+    rig.relay.run_batch()
+
+    assert rig.store.called("settle_failed")[0]["attributed"] == [bad]
+    assert list(rig.store.dead_letter) == [bad]
+
+
+def test_suspect_alone_among_published_rows_is_attributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, missing={"gone"})
+    rig.store.add(exchange="gone")
+    culprit = rig.store.add(exchange="events")
+    rig.publisher.script(culprit, Outcome.CLOSE_CHANNEL)
+
+    rig.relay.run_batch()
+
+    assert culprit in rig.store.called("settle_failed")[0]["attributed"]
+
+
+# -- rows that can never be published ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"headers": ["not", "an", "object"]}, "headers must be a JSON object, got list"),
+    ({"payload": '"' + "x" * 1000 + '"'}, "payload of 1002 bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=1000"),
+    ({"payload_bytes": b"\0" * 1001}, "payload of 1001 bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=1000"),
+])
+def test_invalid_row_is_dead_lettered_inside_the_claim_transaction(
+        rig: Rig, kwargs: dict[str, Any], error: str) -> None:
+    good = rig.store.add()
+    bad = rig.store.add(**kwargs)
+
+    rig.relay.run_batch()
+
+    assert rig.journal.index("dead_letter_claimed") < rig.journal.index("prepare")
+    assert rig.store.called("dead_letter_claimed") == [{"rows": [(bad, error)]}]
+    assert rig.publisher.published_ids() == [good]
+    assert rig.store.dead_letter[bad].reason == "invalid"
+    assert rig.store.dead_letter[bad].error == error
+    assert rig.dead_lettered("invalid") == 1
+
+
+def test_ledger_count_excludes_invalid_rows(rig: Rig) -> None:
+    rig.store.add()
+    rig.store.add(headers="text")
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.ledger[0].count == 1
+    assert rig.metric("outbox_relay_events_published_total") == 1
+
+
+def test_invalid_row_of_a_rolled_back_batch_returns_and_is_dead_lettered_later(rig: Rig) -> None:
+    refused = rig.store.add()
+    invalid = rig.store.add(headers=[1])
+    rig.publisher.script(refused, Outcome.NACK, times=1)
+
+    rig.step()
+    assert invalid in rig.store.rows
+    assert rig.store.dead_letter == {}
+    rig.step()
+    rig.step()
+
+    assert rig.store.rows == {}
+    assert list(rig.store.dead_letter) == [invalid]
+
+
+def test_invalid_rows_of_a_rolled_back_batch_are_not_counted_as_dead_lettered(rig: Rig) -> None:
+    refused = rig.store.add()
+    rig.store.add(headers=[1])
+    rig.publisher.script(refused, Outcome.NACK, times=1)
+
+    for _ in range(3):
+        rig.step()
+
+    assert len(rig.store.dead_letter) == 1
+    assert rig.dead_lettered("invalid") == 1
+
+
+# -- finishing the prepared transaction -------------------------------------------------------
+
+
+def test_postgres_lost_during_commit_prepared_keeps_the_commit_decision(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.store.fail("finish", psycopg.OperationalError("server closed the connection unexpectedly"))
+
+    with pytest.raises(TransientError, match="PostgreSQL connection lost finishing outbox:00000abc:1"):
+        rig.relay.run_batch()
+
+    assert rig.relay._unfinished == (rig.gid(1), True)
+    assert list(rig.store.prepared) == [rig.gid(1)]
+    assert rig.batches("committed") == 0
+
+
+def test_commit_decision_is_applied_after_reconnecting(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.store.fail("finish", psycopg.OperationalError("server closed the connection unexpectedly"))
+    with pytest.raises(TransientError):
+        rig.relay.run_batch()
+    rig.journal.clear()
+
+    rig.relay._ensure_connected()
+
+    assert rig.journal == ["pg_connect", "commit_prepared"]
+    assert rig.store.prepared == {}
+    assert rig.store.rows == {}
+    assert rig.relay._unfinished is None
+    assert rig.batches("committed") == 1
+
+
+def test_postgres_lost_during_rollback_prepared_applies_the_rollback_later(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    rig.publisher.script(ids[0], Outcome.NACK, times=1)
+    rig.store.fail("finish", psycopg.OperationalError("terminating connection"))
+
+    with pytest.raises(TransientError):
+        rig.relay.run_batch()
+    assert rig.relay._unfinished == (rig.gid(1), False)
+    rig.relay._ensure_connected()
+
+    assert rig.store.called("finish")[-1] == {"gid": rig.gid(1), "commit": False}
+    assert sorted(rig.store.rows) == ids
+    assert rig.store.prepared == {}
+
+
+def test_commit_whose_reply_was_lost_counts_as_finished_elsewhere(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.store.fail("finish", psycopg.OperationalError("connection lost"), apply=True)
+    with pytest.raises(TransientError):
+        rig.relay.run_batch()
+
+    rig.relay._ensure_connected()
+
+    assert rig.store.rows == {}
+    assert rig.relay._unfinished is None
+    assert rig.batches("finished_elsewhere") == 1
+
+
+def test_non_connection_database_error_in_finish_is_raised_as_is(rig: Rig) -> None:
+    rig.store.add()
+    rig.store.fail("finish", psycopg.errors.InsufficientPrivilege("permission denied"))
+
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        rig.relay.run_batch()
+
+    assert rig.relay._unfinished == (rig.gid(1), True)
+
+
+def test_finish_returning_false_is_counted_as_finished_elsewhere(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.store.before("finish", lambda: rig.store.resolve_elsewhere(commit=True))
+
+    rig.relay.run_batch()
+
+    assert rig.batches("finished_elsewhere") == 1
+    assert rig.batches("committed") == 0
+    assert rig.relay._unfinished is None
+    assert rig.store.rows == {}
+
+
+def test_rollback_finished_elsewhere_still_settles_the_failures(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    rig.publisher.script(ids[1], Outcome.RETURN)
+    rig.store.before("finish", lambda: rig.store.resolve_elsewhere(commit=False))
+
+    rig.relay.run_batch()
+
+    assert rig.batches("finished_elsewhere") == 1
+    assert list(rig.store.rows) == [ids[1]]
+    assert rig.store.rows[ids[1]].attempts == 1
+
+
+def test_batch_prepared_when_the_connection_dropped_is_finished_after_reconnecting(rig: Rig) -> None:
+    rig.store.add_many(2)
+    rig.store.fail("prepare", psycopg.OperationalError("connection lost"), apply=True)
+    with pytest.raises(psycopg.OperationalError):
+        rig.relay.run_batch()
+
+    rig.relay._ensure_connected()
+
+    assert rig.store.prepared == {}
+    assert sorted(rig.store.rows) == [1, 2]
+
+
+# -- crash points -----------------------------------------------------------------------------
+
+
+def test_crash_points_are_passed_in_protocol_order(rig: Rig) -> None:
+    rig.store.add()
+
+    rig.relay.run_batch()
+
+    assert rig.journal == [
+        "claim", "@after_claim", "missing_exchanges", "prepare", "@after_prepare", "publish",
+        "@after_publish", "ledger", "@after_ledger", "commit_prepared", "@after_commit"]
+
+
+def test_failed_batch_passes_only_the_crash_points_before_publishing(rig: Rig) -> None:
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.NACK)
+
+    rig.relay.run_batch()
+
+    assert rig.faults == ["after_claim", "after_prepare"]
+
+
+@pytest.mark.parametrize(("point", "commit"), [
+    ("after_prepare", False), ("after_publish", False), ("after_ledger", True)])
+def test_interruption_at_a_crash_point_leaves_the_right_decision(
+        monkeypatch: pytest.MonkeyPatch, point: str, commit: bool) -> None:
+    rig = make_rig(monkeypatch, crash_at=point)
+    rig.store.add_many(2)
+
+    with pytest.raises(Crash):
+        rig.relay.run_batch()
+    assert rig.relay._unfinished == (rig.gid(1), commit)
+    rig.relay._ensure_connected()
+
+    assert rig.store.called("finish")[-1] == {"gid": rig.gid(1), "commit": commit}
+    assert (rig.store.rows == {}) is commit
+
+
+def test_interruption_after_claim_leaves_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, crash_at="after_claim")
+    rig.store.add()
+
+    with pytest.raises(Crash):
+        rig.relay.run_batch()
+
+    assert rig.relay._unfinished is None
+    assert rig.store.prepared == {}
+
+
+# -- failure reasons and logs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    ("unroutable: 312 NO_ROUTE", "unroutable"),
+    ("nacked by the broker", "nacked"),
+    ("exchange 'x' not found (404)", "exchange_not_found"),
+    (CHANNEL_CLOSED, "channel_closed"),
+    ("no confirm within 30 s", "confirm_timeout"),
+    ("ledger: ledger record not confirmed", "ledger"),
+    ("RabbitMQ connection lost: ConnectionResetError", "connection_lost"),
+    ("unconfirmed messages", "connection_lost"),
+])
+def test_failure_reason_maps_errors_to_bounded_labels(error: str, reason: str) -> None:
+    assert failure_reason(error) == reason
+
+
+def test_failed_and_dead_lettered_rows_are_logged_with_their_action(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    rig = make_rig(monkeypatch, max_attempts=2)
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.RETURN)
+
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        rig.step()
+        rig.step()
+
+    actions = [getattr(r, "action", None) for r in caplog.records if getattr(r, "row_id", None)]
+    assert actions == ["row_failed", "row_dead_lettered"]
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+def run_loop(rig: Rig, claims: int) -> None:
+    """Run ``Relay.run`` until the store has seen ``claims`` claims."""
+    rig.relay.should_stop = lambda: len(rig.store.called("claim")) >= claims
+    rig.relay.run()
+
+
+def test_run_connects_both_servers_with_the_instance_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, connect=False)
+
+    run_loop(rig, 1)
+
+    assert rig.journal[:3] == ["pg_connect", "amqp_connect", "claim"]
+    assert rig.store.called("connect") == [{"lock_class": lock_class("outbox"), "instance": INSTANCE}]
+    assert rig.metric("outbox_relay_connected", server="postgresql") == 1
+
+
+def test_run_closes_both_connections_when_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, connect=False)
+
+    run_loop(rig, 1)
+
+    assert rig.journal[-2:] == ["pg_close", "amqp_close"]
+    assert not rig.store.connected and not rig.publisher.connected
+
+
+def test_empty_polls_double_the_wait_up_to_the_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, poll_min_interval=0.01, poll_max_interval=0.08)
+
+    run_loop(rig, 5)
+
+    assert rig.publisher.idles == pytest.approx([0.02, 0.04, 0.08, 0.08, 0.08])
+
+
+def test_full_batches_run_back_to_back_and_a_partial_one_waits_the_minimum(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2, poll_min_interval=0.01, poll_max_interval=0.08)
+    rig.store.add_many(5)
+
+    run_loop(rig, 4)
+
+    assert [e for e in rig.journal if e in ("claim", "idle")] == [
+        "claim", "claim", "claim", "idle", "claim", "idle"]
+    assert rig.publisher.idles == pytest.approx([0.01, 0.02])
+
+
+def test_work_after_idling_resets_the_wait_to_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, poll_min_interval=0.01, poll_max_interval=0.08)
+    for _ in range(4):
+        rig.store.before("claim", lambda: None)
+    rig.store.before("claim", rig.store.add)  # the 5th claim finds a row
+
+    run_loop(rig, 6)
+
+    assert rig.publisher.idles == pytest.approx([0.02, 0.04, 0.08, 0.08, 0.01, 0.02])
+
+
+def test_empty_polls_back_off_even_when_the_minimum_wait_is_zero(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, poll_min_interval=0.0, poll_max_interval=0.08)
+
+    run_loop(rig, 5)
+
+    assert rig.publisher.idles[-1] > 0
+
+
+def test_run_refreshes_backlog_and_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(3)
+    rig.store.lag = 4.5
+
+    run_loop(rig, 1)
+
+    assert rig.store.called("stats") == [{}]
+    assert rig.metric("outbox_relay_backlog_events") == 1
+    assert rig.metric("outbox_relay_lag_seconds") == 4.5
+
+
+def test_stats_are_not_refreshed_before_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, stats_interval=3600)
+
+    run_loop(rig, 4)
+
+    assert len(rig.store.called("stats")) == 1
+
+
+def test_lost_database_connection_does_not_end_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, connect=False)
+    rig.store.add_many(2)
+    rig.store.fail("claim", psycopg.OperationalError("server closed the connection unexpectedly"))
+
+    run_loop(rig, 2)
+
+    assert rig.store.rows == {}
+    assert rig.journal.count("pg_connect") == 2
+    assert rig.metric("outbox_relay_reconnects_total", server="postgresql") == 1
+    assert len(rig.sleeps) == 1 and 0 < rig.sleeps[0] <= 0.2
+
+
+def test_database_error_resets_the_session_instead_of_closing_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch)
+    rig.store.add()
+    rig.store.fail("prepare", psycopg.errors.FeatureNotSupported("prepared transactions are disabled"))
+
+    run_loop(rig, 2)
+
+    assert "reset" in rig.journal
+    assert rig.journal.count("pg_close") == 1  # only the final close
+    assert rig.store.rows == {}
+
+
+def test_broker_lost_before_prepare_releases_the_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch)
+    rig.store.add_many(2)
+    rig.publisher.fail("missing_exchanges", TransientError("RabbitMQ connection lost"))
+
+    run_loop(rig, 1)
+
+    assert rig.store.prepared == {}
+    assert sorted(rig.store.rows) == [1, 2]
+    assert "reset" in rig.journal
+
+
+def test_reconnect_retries_a_failing_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, connect=False)
+    rig.store.fail("connect", TransientError("cannot connect to PostgreSQL: refused"))
+    rig.store.fail("connect", TransientError("cannot connect to PostgreSQL: refused"))
+
+    run_loop(rig, 1)
+
+    assert rig.journal.count("pg_connect") == 3
+    assert len(rig.sleeps) == 2
+    assert rig.store.called("claim") == [{"limit": 10}]
+
+
+def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("relay.worker.RECONNECT_INITIAL_DELAY", 1.0)
+    monkeypatch.setattr("relay.worker.random.uniform", lambda _a, _b: 1.0)
+    rig = make_rig(monkeypatch, reconnect_max_delay=3.0)
+    for _ in range(4):
+        rig.store.fail("claim", psycopg.OperationalError("connection lost"))
+
+    run_loop(rig, 5)
+
+    assert rig.sleeps == [1.0, 2.0, 3.0, 3.0]

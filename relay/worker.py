@@ -128,9 +128,9 @@ class Relay:
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once.
         result = self.publisher.publish_batch(messages)
-        result.failed.update(failed_early)
+        result.failed.update(failed_early)  # so the batch is not complete
         committed = False
-        if result.complete(len(messages)) and not failed_early:
+        if result.complete(len(messages)):
             self.fault("after_publish")
             # 4. Commit on the broker side first: the ledger record of the batch.
             try:

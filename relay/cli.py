@@ -1,19 +1,22 @@
-"""``outbox-relay``: run the relay (default), apply the schema (``migrate``)."""
+"""``outbox-relay``: run the relay (default), apply the schema (``migrate``), inspect and requeue
+the dead-letter table (``dead-letter``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
-from relay import config, faults, logs, metrics
+from relay import config, dead_letter, faults, logs, metrics
 from relay.errors import ConfigError, OutboxError, StartupCheckError, TransientError
 from relay.migrate import migrate, schema_sql
 from relay.publisher import AmqpPublisher
+from relay.queries import Tables
 from relay.signals import Shutdown
-from relay.store import OutboxStore
-from relay.worker import Relay
+from relay.store import OutboxStore, connect
+from relay.worker import Relay, relay_health
 
 log = logging.getLogger("relay")
 
@@ -22,6 +25,7 @@ EXIT_STARTUP = 3
 
 MIGRATE_OPTIONS = (config.DATABASE_URL, config.TABLE, config.CONNECT_TIMEOUT,
                    config.LOG_LEVEL, config.LOG_FORMAT)
+DEAD_LETTER_OPTIONS = (config.DATABASE_URL, config.TABLE, config.CONNECT_TIMEOUT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,14 +34,44 @@ def build_parser() -> argparse.ArgumentParser:
         description="Relay outbox rows from PostgreSQL to RabbitMQ with two-phase commit. "
         "Every flag can also be set by the environment variable shown in its help.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,migrate}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter}")
     run = sub.add_parser("run", help="relay events (the default)")
     config.add_options(run, config.RELAY_OPTIONS)
     mig = sub.add_parser("migrate", help="create the outbox tables if missing (idempotent)")
     mig.add_argument("--print", action="store_true", dest="print_only",
                      help="print the SQL instead of applying it (for psql -f)")
     config.add_options(mig, MIGRATE_OPTIONS)
+    dead = sub.add_parser(
+        "dead-letter", help="list the dead-letter table or move rows back into the outbox",
+        description="Inspect <table>_dead_letter, or requeue rows from it: they go back into the "
+        "outbox in one transaction with a new id, attempts 0, due now.")
+    dead_sub = dead.add_subparsers(dest="dead_letter_command", metavar="{list,requeue}",
+                                   required=True)
+    listing = dead_sub.add_parser(
+        "list", help="print the dead letters, oldest first (tab-separated: id, message_id, "
+        "exchange, routing_key, attempts, dead_at, last_error)")
+    listing.add_argument("--limit", type=_positive_int, default=100, metavar="N",
+                         help="print at most N rows (default: 100)")
+    listing.add_argument("--json", action="store_true", help="print a JSON array instead")
+    config.add_options(listing, DEAD_LETTER_OPTIONS)
+    requeue = dead_sub.add_parser(
+        "requeue", help="move dead letters back into the outbox (one transaction)")
+    which = requeue.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", type=_positive_int, action="append", dest="ids", metavar="ID",
+                       help="dead-letter id to requeue (repeat for several)")
+    which.add_argument("--all", action="store_true", help="requeue every dead letter")
+    config.add_options(requeue, DEAD_LETTER_OPTIONS)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return _migrate(args)
+        if args.command == "dead-letter":
+            return _dead_letter(args)
         return _run(args)
     except ConfigError as exc:
         print(f"outbox-relay: error: {exc}", file=sys.stderr)
@@ -83,16 +119,17 @@ def _run(args: argparse.Namespace) -> int:
     shutdown = Shutdown()
     shutdown.install()
     relay_metrics = metrics.RelayMetrics()
+    health = relay_health(settings)
     store = OutboxStore(settings.database_url, settings.table,
                         connect_timeout=settings.connect_timeout)
     publisher = AmqpPublisher(
         settings.amqp_url, ledger_stream=settings.ledger_stream,
         ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.confirm_timeout,
         connect_timeout=settings.connect_timeout, fault=fault)
-    relay = Relay(settings, store, publisher, metrics=relay_metrics, fault=fault,
+    relay = Relay(settings, store, publisher, metrics=relay_metrics, health=health, fault=fault,
                   should_stop=lambda: shutdown.requested)
     publisher.name = f"outbox-relay {relay.instance_name}"
-    metrics.serve(relay_metrics.registry, settings.metrics_host, settings.metrics_port)
+    metrics.serve(relay_metrics.registry, settings.metrics_host, settings.metrics_port, health)
     # Fail fast on what a retry cannot fix (2PC off, schema missing, stream clash).
     try:
         relay.run()
@@ -102,3 +139,44 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _dead_letter(args: argparse.Namespace) -> int:
+    values = config.resolve(args, DEAD_LETTER_OPTIONS)
+    try:
+        return _dead_letter_command(args, values["database_url"], Tables(values["table"]),
+                                    values["connect_timeout"])
+    except StartupCheckError as exc:  # a missing table: one line, no log set up to repeat it
+        print(f"outbox-relay: error: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+
+
+def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Tables,
+                         connect_timeout: float) -> int:
+    with connect(database_url, timeout=connect_timeout,
+                 application_name="outbox-relay dead-letter") as conn:
+        if args.dead_letter_command == "list":
+            rows, total = dead_letter.list_dead_letters(conn, tables, args.limit)
+            if args.json:
+                json.dump([{"id": r.id, "message_id": r.message_id, "exchange": r.exchange,
+                            "routing_key": r.routing_key, "attempts": r.attempts,
+                            "dead_at": r.dead_at.isoformat(), "last_error": r.last_error}
+                           for r in rows], sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                for r in rows:
+                    error = " ".join(r.last_error.split())  # one line each, whatever the error
+                    print("\t".join((str(r.id), r.message_id, r.exchange, r.routing_key,
+                                     str(r.attempts), r.dead_at.isoformat(), error)))
+            if total > len(rows):
+                print(f"outbox-relay: {len(rows)} of {total} dead letters shown (--limit)",
+                      file=sys.stderr)
+            return 0
+        result = dead_letter.requeue(conn, tables, None if args.all else args.ids)
+    for dead_id, message_id in result.skipped.items():
+        print(f"skipped dead letter {dead_id}: message_id {message_id!r} is already in the outbox")
+    for dead_id in result.missing:
+        print(f"skipped dead letter {dead_id}: not in {tables.dead_letter_name}")
+    print(f"requeued {len(result.moved)} dead letter{'' if len(result.moved) == 1 else 's'} "
+          f"into {tables.name}")
+    return 0

@@ -149,7 +149,8 @@ LEDGER_MAX_AGE = Option(
     "retention of the ledger stream (x-max-age); keep it longer than any in-doubt window",
 )
 METRICS_HOST = Option(
-    "metrics_host", "OUTBOX_METRICS_HOST", str, "0.0.0.0", "address of the /metrics endpoint",  # noqa: S104
+    "metrics_host", "OUTBOX_METRICS_HOST", str, "0.0.0.0",  # noqa: S104
+    "address of the /metrics, /healthz and /readyz endpoints",
 )
 LOG_LEVEL = Option(
     "log_level", "OUTBOX_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO", "log level",
@@ -207,7 +208,8 @@ RELAY_OPTIONS: tuple[Option, ...] = (
         "seconds between refreshes of the lag and backlog metrics",
     ),
     METRICS_HOST,
-    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9460", "port of /metrics (0 disables)"),
+    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9460",
+           "port of /metrics, /healthz and /readyz (0 disables)"),
     LOG_LEVEL,
     LOG_FORMAT,
     CONNECT_TIMEOUT,
@@ -237,7 +239,8 @@ RESOLVER_OPTIONS: tuple[Option, ...] = (
         "seconds to wait for the resolver's own marker to come back from the ledger",
     ),
     METRICS_HOST,
-    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9461", "port of /metrics (0 disables)"),
+    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9461",
+           "port of /metrics, /healthz and /readyz (0 disables)"),
     LOG_LEVEL,
     LOG_FORMAT,
     CONNECT_TIMEOUT,

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import gzip
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from relay.errors import ConfigError
+from relay.health import Health
 
 FAILURE_REASONS = (
     "unroutable",
@@ -83,18 +92,91 @@ class ResolverMetrics:
         self.last_scan = Gauge(
             "outbox_resolver_last_scan_timestamp_seconds", "When the last scan completed",
             registry=r)
+        self.last_loop = Gauge(
+            "outbox_resolver_last_loop_timestamp_seconds",
+            "When the resolver loop last turned (a scan, successful or not)", registry=r)
         for outcome in ("committed", "rolled_back", "already_finished"):
             self.decisions.labels(outcome)
         for server in ("postgresql", "rabbitmq"):
             self.reconnects.labels(server)
 
 
-def serve(registry: CollectorRegistry, host: str, port: int) -> None:
-    """Serve /metrics in a daemon thread; port 0 disables it."""
+def serve(registry: CollectorRegistry, host: str, port: int,
+          health: Health | None = None) -> ThreadingHTTPServer | None:
+    """Serve /metrics (and, given ``health``, /healthz and /readyz) in a daemon thread.
+
+    Port 0 disables it. Returns the server (tests shut it down), or None when disabled.
+    """
     if not port:
-        return
+        return None
     try:
-        start_http_server(port, addr=host, registry=registry)
+        server = _Server(host, port, registry, health)
     except OSError as exc:
         raise ConfigError(
             f"OUTBOX_METRICS_PORT {port} on {host!r} cannot be served: {exc.strerror}") from exc
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return server
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry,
+                 health: Health | None) -> None:
+        # IPv4 or IPv6, whichever the host is (as prometheus_client's own server does).
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        self.address_family = infos[0][0]
+        self.registry = registry
+        self.health = health
+        super().__init__((host, port), _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        health = self.server.health
+        if url.path == "/metrics":
+            self._metrics(parse_qs(url.query))
+        elif url.path == "/healthz" and health is not None:
+            live, detail = health.liveness()
+            self._send(200 if live else 503, "text/plain; charset=utf-8",
+                       (detail + "\n").encode())
+        elif url.path == "/readyz" and health is not None:
+            ready, checks = health.readiness()
+            body = json.dumps({"ready": ready, "checks": checks}, sort_keys=True) + "\n"
+            self._send(200 if ready else 503, "application/json", body.encode())
+        else:
+            self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
+
+    def _metrics(self, params: dict[str, list[str]]) -> None:
+        """What prometheus_client's own server answers: content negotiation, name[], gzip."""
+        registry = self.server.registry
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        names = params.get("name[]")
+        output = encoder(registry.restricted_registry(names) if names else registry)
+        headers = {}
+        if "gzip" in self.headers.get("Accept-Encoding", ""):
+            output = gzip.compress(output)
+            headers["Content-Encoding"] = "gzip"
+        self._send(200, content_type, output, headers)
+
+    def _send(self, status: int, content_type: str, body: bytes,
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes and probes are not worth a log line each."""

@@ -95,3 +95,38 @@ SELECT gid, prepared, owner,
 FROM pg_prepared_xacts
 WHERE database = current_database() AND starts_with(gid, %(prefix)s)
 ORDER BY prepared;
+
+-- name: dead_letter_list
+-- `outbox-relay dead-letter list`: the oldest dead letters first, with how many there are.
+SELECT id, message_id, exchange, routing_key, attempts, dead_at, last_error,
+       count(*) OVER () AS total
+FROM {dead_letter}
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: dead_letter_lock
+-- `outbox-relay dead-letter requeue`: lock the chosen rows (all of them, or the given ids) for
+-- the transaction that moves them back, in dead-letter order so the new outbox ids keep it.
+SELECT id, message_id
+FROM {dead_letter}
+WHERE %(all)s OR id = ANY(%(ids)s)
+ORDER BY id
+FOR UPDATE;
+
+-- name: dead_letter_requeue
+-- Move one locked dead letter back into the outbox as a fresh row: a new id (the outbox id is
+-- GENERATED ALWAYS), attempts 0, due now, no error; everything the producer wrote is kept. A
+-- message_id already in the outbox is left in the dead-letter table (no row returned).
+WITH moved AS (
+    INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
+                          headers, content_type, created_at, attempts, available_at, last_error)
+    SELECT message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
+           content_type, created_at, 0, now(), NULL
+    FROM {dead_letter}
+    WHERE id = %(id)s
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING id
+)
+DELETE FROM {dead_letter}
+WHERE id = %(id)s AND EXISTS (SELECT FROM moved)
+RETURNING id, (SELECT id FROM moved) AS outbox_id;

@@ -14,6 +14,7 @@ import tenacity
 from relay.config import RelaySettings
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class, new_instance_id
+from relay.health import Health, stall_threshold
 from relay.messages import to_message
 from relay.metrics import RelayMetrics
 from relay.publisher import Message, PublishResult
@@ -53,6 +54,15 @@ class Publisher(Protocol):
     def idle(self, seconds: float) -> None: ...
 
 
+def relay_health(settings: RelaySettings) -> Health:
+    """Readiness: both servers connected (PostgreSQL: 2PC on, schema present, as checked on
+    connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least)."""
+    return Health(
+        ("postgresql", "rabbitmq"),
+        stall_after=stall_threshold(2 * settings.confirm_timeout, settings.connect_timeout,
+                                    settings.reconnect_max_delay, settings.poll_max_interval))
+
+
 def failure_reason(error: str) -> str:
     """The bounded metric label for a failure message."""
     for prefix, reason in (("unroutable", "unroutable"), ("nacked", "nacked"),
@@ -74,6 +84,7 @@ class Relay:
         publisher: Publisher,
         *,
         metrics: RelayMetrics | None = None,
+        health: Health | None = None,
         fault: Callable[[str], None] = lambda _point: None,
         should_stop: Callable[[], bool] = lambda: False,
         instance: int | None = None,
@@ -82,6 +93,7 @@ class Relay:
         self.store = store
         self.publisher = publisher
         self.metrics = metrics or RelayMetrics()
+        self.health = health or relay_health(settings)
         self.fault = fault
         self.should_stop = should_stop
         self.instance = new_instance_id() if instance is None else instance
@@ -224,6 +236,7 @@ class Relay:
         idle = self.settings.poll_min_interval
         while not self.should_stop():
             self.metrics.last_loop.set_to_current_time()
+            self.health.beat()
             try:
                 self._ensure_connected()
                 if self.should_stop():
@@ -244,6 +257,7 @@ class Relay:
                 idle = min(max(idle * 2, self.settings.poll_min_interval, 0.001),
                            self.settings.poll_max_interval)
             self.publisher.idle(idle)
+        self.health.stopping()
         self.close()
         log.info("relay stopped", extra={"action": "relay_stopped", "instance": self.instance_name})
 
@@ -259,6 +273,10 @@ class Relay:
             self.store.reset()  # roll back an open claim so the rows are free again
         if not self.publisher.connected:
             self.publisher.close()
+        # Not ready from now on, not only once the next turn notices (after the backoff below).
+        for server, client in (("postgresql", self.store), ("rabbitmq", self.publisher)):
+            if not client.connected:
+                self.health.set_check(server, "connection lost; reconnecting")
         if isinstance(exc, psycopg.Error) and not is_connection_error(exc):
             log.error("database error: %s", str(exc).strip().splitlines()[0] if str(exc) else exc,
                       extra={"action": "database_error"})
@@ -288,6 +306,7 @@ class Relay:
             exc = state.outcome.exception() if state.outcome else None
             log.debug("reconnect to %s failed: %s", server, exc,
                       extra={"action": "reconnect_failed", "server": server})
+            self.health.set_check(server, f"reconnecting: {exc}")
 
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
@@ -301,13 +320,16 @@ class Relay:
         )
 
     def _sleep(self, seconds: float) -> None:
+        """Back off; waiting to reconnect is the loop turning as designed, so it beats."""
         deadline = time.monotonic() + seconds
         while not self.should_stop() and time.monotonic() < deadline:
+            self.health.beat()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _mark_down(self, server: str) -> None:
         """Log a lost connection once, not at every reconnection attempt."""
         self.metrics.connected.labels(server).set(0)
+        self.health.set_check(server, "not connected")
         if server not in self._down:
             self._down.add(server)
             if server in self._ever_connected:
@@ -316,6 +338,7 @@ class Relay:
 
     def _mark_up(self, server: str) -> None:
         self.metrics.connected.labels(server).set(1)
+        self.health.set_check(server, None)
         self._down.discard(server)
         if server in self._ever_connected:
             self.metrics.reconnects.labels(server).inc()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from relay import config, logs, metrics
 from relay.errors import ConfigError, StartupCheckError, TransientError
 from relay.signals import Shutdown
-from resolver.worker import Resolver
+from resolver.worker import Resolver, resolver_health
 
 log = logging.getLogger("resolver")
 
@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     shutdown = Shutdown()
     shutdown.install()
     resolver_metrics = metrics.ResolverMetrics()
-    resolver = Resolver(settings, metrics=resolver_metrics,
+    health = resolver_health(settings)
+    resolver = Resolver(settings, metrics=resolver_metrics, health=health,
                         should_stop=lambda: shutdown.requested)
     try:
         if args.once:
@@ -47,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcomes = resolver.resolve_once()
             log.info("scan done", extra={"action": "scan_done", "resolved": len(outcomes)})
             return 0
-        metrics.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port)
+        metrics.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port,
+                      health)
         resolver.run()
         return 0
     except ConfigError as exc:

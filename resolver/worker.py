@@ -23,6 +23,7 @@ from relay import ledger, store
 from relay.config import ResolverSettings
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class
+from relay.health import Health, stall_threshold
 from relay.metrics import ResolverMetrics
 from relay.publisher import AmqpPublisher
 
@@ -31,16 +32,28 @@ log = logging.getLogger("resolver")
 RECONNECT_INITIAL_DELAY = 0.2
 
 
+def resolver_health(settings: ResolverSettings) -> Health:
+    """Readiness: both servers connected (PostgreSQL with 2PC on, the ledger stream declared).
+    Liveness: the loop turned within 3x its longest legitimate wait (30 s at least); a scan
+    waits up to the ledger read timeout twice (marker confirm, marker read)."""
+    return Health(
+        ("postgresql", "rabbitmq"),
+        stall_after=stall_threshold(2 * settings.ledger_read_timeout, settings.connect_timeout,
+                                    settings.reconnect_max_delay, settings.interval))
+
+
 class Resolver:
     def __init__(
         self,
         settings: ResolverSettings,
         *,
         metrics: ResolverMetrics | None = None,
+        health: Health | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ResolverMetrics()
+        self.health = health or resolver_health(settings)
         self.should_stop = should_stop
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
@@ -108,7 +121,7 @@ class Resolver:
 
     def _ledger_gids(self, since: Any) -> set[str]:
         if not self._amqp.connected:
-            self._amqp.connect()
+            self._connect_amqp()
         marker = ledger.new_marker()
         try:
             self._amqp.append_ledger(ledger.marker_record(marker), message_id=marker)
@@ -121,16 +134,29 @@ class Resolver:
 
     def _db(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = store.connect(self.settings.database_url,
-                                       timeout=self.settings.connect_timeout,
-                                       application_name="outbox-resolver")
+            try:
+                self._conn = store.connect(self.settings.database_url,
+                                           timeout=self.settings.connect_timeout,
+                                           application_name="outbox-resolver")
+            except TransientError as exc:
+                self.health.set_check("postgresql", str(exc))
+                raise
             store.check_server(self._conn)
+            self.health.set_check("postgresql", None)
         return self._conn
+
+    def _connect_amqp(self) -> None:
+        try:
+            self._amqp.connect()
+        except TransientError as exc:
+            self.health.set_check("rabbitmq", str(exc))
+            raise
+        self.health.set_check("rabbitmq", None)
 
     def connect(self) -> None:
         """Check both servers up front (fail fast on 2PC off or a ledger clash)."""
         self._db()
-        self._amqp.connect()
+        self._connect_amqp()
 
     def close(self) -> None:
         if self._conn is not None:
@@ -142,9 +168,11 @@ class Resolver:
         log.info("resolver started", extra={"action": "resolver_started"})
         failures = 0
         while not self.should_stop():
+            self.metrics.last_loop.set_to_current_time()
+            self.health.beat()
             try:
                 if not self._amqp.connected:
-                    self._amqp.connect()
+                    self._connect_amqp()
                 self.resolve_once()
                 self.metrics.scans.inc()
                 self.metrics.last_scan.set_to_current_time()
@@ -157,14 +185,22 @@ class Resolver:
                 if failures == 0:
                     log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
                 failures += 1
+                # Name the server that failed the scan; close() then drops both connections.
+                if isinstance(exc, psycopg.Error):
+                    self.health.set_check("postgresql", f"scan failed: {exc}")
+                elif not self._amqp.connected:
+                    self.health.set_check("rabbitmq", f"scan failed: {exc}")
                 self.close()
                 delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(failures, 16),
                             self.settings.reconnect_max_delay) * random.uniform(0.5, 1.0)
             self._sleep(delay)
+        self.health.stopping()
         self.close()
         log.info("resolver stopped", extra={"action": "resolver_stopped"})
 
     def _sleep(self, seconds: float) -> None:
+        """Wait for the next scan (or to retry); waiting is the loop turning, so it beats."""
         deadline = time.monotonic() + seconds
         while not self.should_stop() and time.monotonic() < deadline:
+            self.health.beat()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

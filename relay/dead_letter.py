@@ -1,0 +1,71 @@
+"""The operator's view of the dead-letter table: list it, move rows back into the outbox."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from relay.errors import StartupCheckError
+from relay.queries import Tables
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    attempts: int
+    dead_at: datetime
+    last_error: str
+
+
+@dataclass
+class Requeued:
+    moved: dict[int, int] = field(default_factory=dict)  # dead-letter id -> new outbox id
+    skipped: dict[int, str] = field(default_factory=dict)  # dead-letter id -> message_id
+    missing: list[int] = field(default_factory=list)  # ids asked for that are not dead letters
+
+
+def _missing_schema(tables: Tables) -> StartupCheckError:
+    return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not exist: "
+                             "run `outbox-relay migrate` first")
+
+
+def list_dead_letters(conn: psycopg.Connection[Any], tables: Tables,
+                      limit: int) -> tuple[list[DeadLetter], int]:
+    """(up to ``limit`` dead letters, oldest first; how many there are in all)."""
+    try:
+        rows = conn.execute(tables.query("dead_letter_list"), {"limit": limit}).fetchall()
+    except psycopg.errors.UndefinedTable:
+        raise _missing_schema(tables) from None
+    return [DeadLetter(*row[:7]) for row in rows], (rows[0][7] if rows else 0)
+
+
+def requeue(conn: psycopg.Connection[Any], tables: Tables, ids: Sequence[int] | None) -> Requeued:
+    """Move the given dead letters (``None``: all of them) back into the outbox, in ONE
+    transaction: each gets a new outbox id, attempts 0 and is due now. A row whose message_id
+    is already in the outbox stays where it is (reported in ``skipped``)."""
+    result = Requeued()
+    wanted = sorted(set(ids or ()))
+    try:
+        with conn.transaction():
+            chosen = conn.execute(tables.query("dead_letter_lock"),
+                                  {"all": ids is None, "ids": wanted}).fetchall()
+            found = {row[0] for row in chosen}
+            result.missing = [i for i in wanted if i not in found]
+            move = tables.query("dead_letter_requeue")
+            for dead_id, message_id in chosen:
+                row = conn.execute(move, {"id": dead_id}).fetchone()
+                if row is None:
+                    result.skipped[dead_id] = message_id
+                else:
+                    result.moved[dead_id] = row[1]
+    except psycopg.errors.UndefinedTable:
+        raise _missing_schema(tables) from None
+    return result

@@ -1,0 +1,132 @@
+"""`outbox-relay dead-letter list|requeue` as a subprocess, against real servers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from devenv import checker
+from relay.queries import Tables
+from tests.conftest import ROOT, Env
+from tests.integration.test_pipeline import outbox_count, wait_until
+
+COLUMNS = ("id", "message_id", "exchange", "routing_key", "ordering_key", "payload", "headers",
+           "created_at", "attempts", "last_error")
+
+
+def run(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "relay", "dead-letter", *args],
+                          env=env.cli_env(**extra), cwd=ROOT, capture_output=True, text=True,
+                          timeout=30)
+
+
+def insert_dead_letters(env: Env, count: int, *, start: int = 1) -> list[str]:
+    """Dead letters as the relay writes them (their id is the old outbox id); returns message ids."""
+    ids = []
+    with env.connect() as conn:
+        for n in range(start, start + count):
+            message_id = f"dl-{n}"
+            conn.execute(
+                sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+                    Tables(env.table).dead_letter,
+                    sql.SQL(", ").join(map(sql.Identifier, COLUMNS)),
+                    sql.SQL(", ").join(sql.Placeholder() * len(COLUMNS))),
+                (1000 + n, message_id, env.exchange, env.routing_key, f"k{n}",
+                 Jsonb({"key": f"k{n}", "seq": n}), Jsonb({"x-try": n}),
+                 "2026-01-01T00:00:00Z", 10, f"unroutable: NO_ROUTE\nattempt {n}"))
+            ids.append(message_id)
+    return ids
+
+
+def rows(env: Env, table: sql.Identifier, columns: str) -> list[tuple[Any, ...]]:
+    with env.connect() as conn:
+        return conn.execute(sql.SQL("SELECT " + columns + " FROM {} ORDER BY id").format(table)
+                            ).fetchall()
+
+
+def test_list_prints_one_line_per_dead_letter_or_json(env: Env) -> None:
+    insert_dead_letters(env, 3)
+    result = run(env, "list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    fields = lines[0].split("\t")
+    assert fields[:5] == ["1001", "dl-1", env.exchange, env.routing_key, "10"]
+    assert fields[5].startswith("20")  # dead_at, ISO 8601
+    assert fields[6] == "unroutable: NO_ROUTE attempt 1"  # the error on the same line
+
+    limited = run(env, "list", "--limit", "2", "--json")
+    assert limited.returncode == 0, limited.stderr
+    listed = json.loads(limited.stdout)
+    assert [d["id"] for d in listed] == [1001, 1002]
+    assert listed[0]["message_id"] == "dl-1" and listed[0]["attempts"] == 10
+    assert listed[0]["last_error"] == "unroutable: NO_ROUTE\nattempt 1"
+    assert "2 of 3" in limited.stderr
+
+
+def test_requeue_by_id_and_all_moves_rows_back_and_the_relay_delivers_them(env: Env) -> None:
+    insert_dead_letters(env, 4)
+    tables = Tables(env.table)
+
+    result = run(env, "requeue", "--id", "1002", "--id", "1004", "--id", "99")
+    assert result.returncode == 0, result.stderr
+    assert "requeued 2 dead letters" in result.stdout
+    assert "skipped dead letter 99: not in" in result.stdout
+    assert [r[0] for r in rows(env, tables.dead_letter, "id")] == [1001, 1003]
+    outbox = rows(env, tables.outbox, "id, message_id, attempts, last_error, available_at <= now(), "
+                                      "ordering_key, payload, headers, created_at")
+    assert [r[1:6] for r in outbox] == [("dl-2", 0, None, True, "k2"), ("dl-4", 0, None, True, "k4")]
+    assert outbox[0][6] == {"key": "k2", "seq": 2} and outbox[0][7] == {"x-try": 2}
+    assert outbox[0][8].year == 2026 and outbox[0][8].month == 1  # created_at kept
+    assert all(r[0] not in (1002, 1004) for r in outbox)  # new identity ids
+
+    # dl-1 is also in the outbox already (a producer re-sent it): that row stays dead.
+    with env.connect() as conn:
+        checker.insert_events(conn, env.table, 1, exchange=env.exchange,
+                              routing_key=env.routing_key, prefix="dl", start=1)
+    result = run(env, "requeue", "--all")
+    assert result.returncode == 0, result.stderr
+    assert "skipped dead letter 1001: message_id 'dl-1' is already in the outbox" in result.stdout
+    assert "requeued 1 dead letter " in result.stdout
+    assert [r[0] for r in rows(env, tables.dead_letter, "message_id")] == ["dl-1"]
+    assert sorted(r[0] for r in rows(env, tables.outbox, "message_id")) == [
+        "dl-1", "dl-2", "dl-3", "dl-4"]
+
+    relay = env.spawn("relay")
+    wait_until(lambda: outbox_count(env) == 0, 30, "the outbox to empty")
+    delivered = checker.drain(env.amqp_url, env.queue,
+                              expected={"dl-1", "dl-2", "dl-3", "dl-4"})
+    assert sorted(d.message_id for d in delivered) == ["dl-1", "dl-2", "dl-3", "dl-4"]
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(20) == 0, Path(relay.log_path).read_text()  # type: ignore[attr-defined]
+
+
+def test_requeue_needs_ids_or_all_and_a_migrated_table(env: Env) -> None:
+    assert run(env, "requeue").returncode == 2
+    both = run(env, "requeue", "--id", "1", "--all")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = run(env, "list", OUTBOX_TABLE="never_migrated")
+    assert missing.returncode == 3
+    assert missing.stderr.strip().splitlines() == [
+        "outbox-relay: error: table 'never_migrated' or 'never_migrated_dead_letter' does not "
+        "exist: run `outbox-relay migrate` first"]
+    unreachable = run(env, "list", OUTBOX_DATABASE_URL="postgresql://app:pw@127.0.0.1:9/x",
+                      OUTBOX_CONNECT_TIMEOUT="1")
+    assert unreachable.returncode == 1 and "cannot connect to PostgreSQL" in unreachable.stderr
+
+
+def test_help_lists_the_dead_letter_options() -> None:
+    for sub in ("list", "requeue"):
+        help_text = subprocess.run(
+            [sys.executable, "-m", "relay", "dead-letter", sub, "--help"],
+            env={"PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True,
+            timeout=30).stdout
+        for env_var in ("OUTBOX_DATABASE_URL", "OUTBOX_TABLE", "OUTBOX_CONNECT_TIMEOUT"):
+            assert env_var in help_text, (sub, help_text)

@@ -9,6 +9,7 @@ from typing import Any
 import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import _IoloopTimerContext
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from relay.errors import StartupCheckError, TransientError
 
@@ -20,6 +21,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     pika.exceptions.ConnectionClosed,
     pika.exceptions.StreamLostError,
     pika.exceptions.ChannelWrongStateError,
+    # A connection attempt that times out (a black-holed broker) raises these, not the above.
+    AMQPConnectorException,
     ConnectionError,
     OSError,
 )
@@ -72,3 +75,34 @@ def pump(conn: Any, done: Callable[[], bool], timeout: float) -> None:
         conn._flush_output(timer.is_ready, done)
     # Deliver callbacks the blocking layer queued meanwhile (consumer messages, timers).
     conn.process_data_events(time_limit=0)
+
+
+def close(conn: Any, timeout: float) -> None:
+    """Close ``conn`` within ``timeout`` seconds: the AMQP handshake if the broker answers in
+    time, else drop the socket.
+
+    pika's ``BlockingConnection.close()`` waits for Channel.CloseOk and Connection.CloseOk
+    without a limit, so a black-holed broker would hold the relay (and the prepared batch it
+    must roll back) until the black hole ends. ``timeout`` 0 drops the socket at once.
+    """
+    impl = conn._impl
+    try:
+        if timeout > 0 and impl.is_open:
+            impl.close(200, "Normal shutdown")
+            _poll(impl, lambda: bool(impl.is_closed), timeout)
+        if not impl.is_closed:
+            # No handshake: abort the transport; pika then reports the stream as lost.
+            impl._terminate_stream(pika.exceptions.StreamLostError("closed by the relay"))
+            _poll(impl, lambda: bool(impl.is_closed), 1.0)
+    except Exception:  # the connection is being dropped: nothing here is worth raising
+        log.debug("error while closing a RabbitMQ connection", exc_info=True)
+
+
+def _poll(impl: Any, done: Callable[[], bool], timeout: float) -> None:
+    """Run the connection's I/O loop until ``done()`` or ``timeout``, whatever the write buffer
+    holds (BlockingConnection's own loop also waits for it to drain, which a black hole never
+    lets happen)."""
+    with _IoloopTimerContext(timeout, impl) as timer:
+        while not done() and not timer.is_ready():
+            impl.ioloop.poll()
+            impl.ioloop.process_timeouts()

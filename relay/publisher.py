@@ -24,6 +24,8 @@ from relay.errors import BatchFailed, TransientError
 log = logging.getLogger(__name__)
 
 EXCHANGE_CACHE_SECONDS = 30.0
+# How long a graceful close waits for the broker before dropping the socket.
+CLOSE_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,12 @@ class AmqpPublisher:
         self._closed_reason = None
         log.info("connected to RabbitMQ", extra={"action": "amqp_connected"})
 
-    def close(self) -> None:
+    def close(self, *, handshake: bool = True) -> None:
+        """Close the connection, waiting at most CLOSE_TIMEOUT for the broker's answer (none
+        with ``handshake=False``, for a connection that is known not to answer)."""
         conn, self._conn, self._channel, self._probe = self._conn, None, None, None
         if conn is not None and conn.is_open:
-            try:
-                conn.close()
-            except Exception:
-                log.debug("error while closing the RabbitMQ connection", exc_info=True)
+            amqp.close(conn, CLOSE_TIMEOUT if handshake else 0)
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""
@@ -202,8 +203,9 @@ class AmqpPublisher:
         self._pump_until(lambda: not self._pending or self._closed_reason is not None,
                          self._confirm_timeout)
         if self._pending and self._closed_reason is None:
-            # A channel with confirms outstanding cannot be trusted again: start afresh.
-            self.close()
+            # A channel with confirms outstanding cannot be trusted again, nor a broker that
+            # does not answer: drop the socket without waiting for a close handshake.
+            self.close(handshake=False)
             self._result.transient = f"no confirm within {self._confirm_timeout:g} s"
 
     def _settle_unconfirmed(self) -> None:

@@ -175,11 +175,6 @@ def test_amqp_black_hole_mid_stream(env: Env, proxies: ProxyFactory) -> None:
     assert report.lost == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "production bug: after the confirm timeout AmqpPublisher._wait_for_confirms calls close(), "
-    "and pika's BlockingConnection.close() waits for Channel.CloseOk/Connection.CloseOk without "
-    "a timeout, so ROLLBACK PREPARED of the batch in flight waits until the black hole ends "
-    "(or pika's heartbeat gives up), not confirm timeout + a margin"))
 def test_amqp_black_hole_prepared_batch_outlives_confirm_timeout(
     env: Env, proxies: ProxyFactory
 ) -> None:

@@ -1,10 +1,11 @@
 """The chaos run: ``./dev chaos --duration 600`` (or ``python -m devenv.chaos``).
 
 Several relays and a resolver relay a steady stream of events while a loop SIGKILLs relays at
-random, crashes and restarts PostgreSQL, and kills or stops and restarts RabbitMQ. At the end
-every process is allowed to finish, the queue is drained and the total-queue checker prints:
-events, kills, restarts, lost, unexpected, duplicated, order violations, what is left over, and
-the longest time a batch waited in doubt.
+random, crashes and restarts PostgreSQL, kills or stops and restarts RabbitMQ, and cuts or
+black-holes their connections (the relays and the resolver reach both servers through loopback
+proxies, devenv/proxy.py). At the end every process is allowed to finish, the queue is drained
+and the total-queue checker prints: events, kills, restarts, cuts, lost, unexpected, duplicated,
+order violations, what is left over, and the longest time a batch waited in doubt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ import pika
 import psycopg
 
 from devenv import checker
+from devenv.proxy import Proxy
 from devenv.servers import PostgresServer, RabbitServer
 from relay.migrate import migrate
 
@@ -42,9 +45,18 @@ class Tally:
     relay_kills: int = 0
     postgres_restarts: int = 0
     rabbitmq_restarts: int = 0
+    connection_cuts: int = 0
+    black_holes: int = 0
+    # Relays or resolvers that exited without being killed: a bug, whatever the checker says.
+    unexpected_exits: int = 0
     max_in_doubt_seconds: float = 0.0
     produced: list[str] = field(default_factory=list)
     producer_errors: int = 0
+
+    @property
+    def faults(self) -> int:
+        return (self.relay_kills + self.postgres_restarts + self.rabbitmq_restarts
+                + self.connection_cuts + self.black_holes)
 
 
 class Producer(threading.Thread):
@@ -85,6 +97,64 @@ class Producer(threading.Thread):
             time.sleep(max(0.0, next_at - time.monotonic()))
 
 
+# Faults and their weights: relay kills are cheap and the most telling, server restarts slow.
+FAULTS = {"relay": 6, "postgres": 1, "rabbitmq": 1, "cut": 3, "blackhole": 1}
+
+
+@dataclass
+class Injector:
+    """Applies one fault of FAULTS and counts it."""
+
+    rng: random.Random
+    tally: Tally
+    pg: PostgresServer
+    rabbit: RabbitServer
+    pg_proxy: Proxy
+    mq_proxy: Proxy
+    spawn_relay: Callable[[int], subprocess.Popen[bytes]]
+    procs: list[subprocess.Popen[bytes]]  # the relays first, then the resolver
+    relay_count: int
+
+    def inject(self, fault: str) -> None:
+        getattr(self, f"_{fault}")()
+
+    def _relay(self) -> None:
+        i = self.rng.randrange(self.relay_count)
+        self.procs[i].kill()
+        self.procs[i].wait()
+        self.procs[i] = self.spawn_relay(i)
+        self.tally.relay_kills += 1
+
+    def _postgres(self) -> None:
+        self.pg.stop("immediate")  # a crash: prepared transactions must survive it
+        time.sleep(self.rng.uniform(0.5, 3))
+        self.pg.restart()
+        self.tally.postgres_restarts += 1
+
+    def _rabbitmq(self) -> None:
+        if self.rng.random() < 0.5:
+            self.rabbit.kill()
+        else:
+            self.rabbit.stop()
+        time.sleep(self.rng.uniform(0.5, 3))
+        self.rabbit.restart()
+        self.tally.rabbitmq_restarts += 1
+
+    def _cut(self) -> None:
+        both = [self.pg_proxy, self.mq_proxy]
+        for proxy in self.rng.choice([both[:1], both[1:], both]):
+            proxy.cut()
+        self.tally.connection_cuts += 1
+
+    def _blackhole(self) -> None:
+        """A partition: nothing answers for a while, then the held connections are dropped."""
+        proxy = self.rng.choice([self.pg_proxy, self.mq_proxy])
+        proxy.blackhole()
+        time.sleep(self.rng.uniform(1, 6))
+        proxy.heal()
+        self.tally.black_holes += 1
+
+
 def _spawn(name: str, module: str, env: dict[str, str], logdir: Path) -> subprocess.Popen[bytes]:
     with open(logdir / f"{name}.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT, stdout=log,
@@ -100,6 +170,14 @@ def _scalar(url: str, query: str) -> float:
         return -1.0
 
 
+def _watch_in_doubt(url: str, watching: threading.Event, tally: Tally) -> None:
+    """Sample the age of the oldest prepared transaction, faults and drain included."""
+    query = "SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts"
+    while watching.is_set():
+        tally.max_in_doubt_seconds = max(tally.max_in_doubt_seconds, _scalar(url, query))
+        time.sleep(0.25)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./dev chaos", description=__doc__)
     parser.add_argument("--duration", type=float, default=60, help="seconds of chaos")
@@ -107,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relays", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--fault-gap", type=float, nargs=2, default=(4.0, 12.0),
+                        metavar=("MIN", "MAX"), help="seconds between faults (default: 4 12)")
+    parser.add_argument("--cycle", action="store_true",
+                        help="inject every kind of fault in turn instead of at random by weight")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -128,57 +210,59 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         time.sleep(1.5)
 
+        # Relays and resolver go through proxies the fault loop can cut; the producer does not.
+        pg_proxy = stack.enter_context(Proxy.to(pg.url))
+        mq_proxy = stack.enter_context(Proxy.to(rabbit.url))
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pg.url, "OUTBOX_AMQP_URL": rabbit.url,
+        env.update({"OUTBOX_DATABASE_URL": pg_proxy.url(pg.url),
+                    "OUTBOX_AMQP_URL": mq_proxy.url(rabbit.url),
                     "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
                     "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
                     "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(ROOT)})
-        relays = [_spawn(f"relay-{i}", "relay", env, logdir) for i in range(args.relays)]
-        resolver = _spawn("resolver", "resolver", env, logdir)
+        names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
+        procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
+
+        injector = Injector(rng, tally, pg, rabbit, pg_proxy, mq_proxy,
+                            lambda i: _spawn(f"relay-{i}", "relay", env, logdir), procs, args.relays)
+
+        def respawn_exited() -> None:
+            for i, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    tally.unexpected_exits += 1
+                    print(f"  {names[i]} exited by itself ({proc.returncode}); restarted",
+                          flush=True)
+                    procs[i] = _spawn(names[i], names[i].split("-")[0], env, logdir)
 
         def kill_all() -> None:
-            for proc in [*relays, resolver]:
+            for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
 
         stack.callback(kill_all)
-        stop = threading.Event()
+        stop, watching = threading.Event(), threading.Event()
+        watching.set()
         producer = Producer(pg.url, args.rate, stop, tally)
         producer.start()
+        watch = threading.Thread(target=_watch_in_doubt, args=(pg.url, watching, tally),
+                                 daemon=True)
+        watch.start()
 
         print(f"chaos for {args.duration:.0f} s: {args.relays} relays, {args.rate:.0f} events/s,"
               f" logs in {logdir}", flush=True)
         started = time.monotonic()
-        next_fault = started + rng.uniform(3, 8)
+        next_fault = started + rng.uniform(*args.fault_gap)
+        cycle = list(FAULTS)
         while time.monotonic() - started < args.duration:
-            tally.max_in_doubt_seconds = max(tally.max_in_doubt_seconds, _scalar(
-                pg.url, "SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts"))
-            if resolver.poll() is not None:
-                resolver = _spawn("resolver", "resolver", env, logdir)
+            respawn_exited()
             if time.monotonic() >= next_fault:
-                fault = rng.choices(["relay", "postgres", "rabbitmq"], weights=[6, 1, 1])[0]
-                if fault == "relay":
-                    i = rng.randrange(len(relays))
-                    relays[i].kill()
-                    relays[i].wait()
-                    relays[i] = _spawn(f"relay-{i}", "relay", env, logdir)
-                    tally.relay_kills += 1
-                elif fault == "postgres":
-                    pg.stop("immediate")  # a crash: prepared transactions must survive it
-                    time.sleep(rng.uniform(0.5, 3))
-                    pg.restart()
-                    tally.postgres_restarts += 1
+                if args.cycle:
+                    fault = cycle[tally.faults % len(cycle)]
                 else:
-                    if rng.random() < 0.5:
-                        rabbit.kill()
-                    else:
-                        rabbit.stop()
-                    time.sleep(rng.uniform(0.5, 3))
-                    rabbit.restart()
-                    tally.rabbitmq_restarts += 1
+                    fault = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+                injector.inject(fault)
                 print(f"  {time.monotonic() - started:6.1f} s  fault: {fault}", flush=True)
-                next_fault = time.monotonic() + rng.uniform(4, 12)
+                next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
             time.sleep(0.5)
 
         stop.set()
@@ -189,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             doubt = _scalar(pg.url, "SELECT count(*) FROM pg_prepared_xacts")
             if left == 0 and doubt == 0:
                 break
+            respawn_exited()
             time.sleep(1)
-        for proc in [*relays, resolver]:
+        watching.clear()
+        watch.join(10)
+        for proc in procs:
             proc.terminate()
             proc.wait(60)
 
@@ -204,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             "delivered": report.delivered, "relay_kills": tally.relay_kills,
             "postgres_restarts": tally.postgres_restarts,
             "rabbitmq_restarts": tally.rabbitmq_restarts,
+            "connection_cuts": tally.connection_cuts, "black_holes": tally.black_holes,
             "lost": len(report.lost), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
             "order_violations": sum(report.order_violations.values()),
@@ -211,16 +299,19 @@ def main(argv: list[str] | None = None) -> int:
             "in_doubt_left": report.in_doubt,
             "longest_in_doubt_seconds": round(tally.max_in_doubt_seconds, 2),
             "producer_retries": tally.producer_errors,
+            "unexpected_exits": tally.unexpected_exits,
         }
         print()
         for name, value in figures.items():
             print(f"  {name:<26}{value:>12}")
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2) + "\n")
-        faults = tally.relay_kills + tally.postgres_restarts + tally.rabbitmq_restarts
-        ok = report.ok(max_duplicates=args.batch_size * max(1, faults) * args.relays)
+        faults = tally.faults
+        ok = (report.ok(max_duplicates=args.batch_size * max(1, faults) * args.relays)
+              and tally.unexpected_exits == 0)
         print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
-              else f"\nFAILED: {report.summary()} (logs in {logdir})")
+              else f"\nFAILED: {report.summary()} unexpected_exits={tally.unexpected_exits}"
+                 f" (logs in {logdir})")
         if not ok:
             kept = Path(tempfile.gettempdir()) / f"outbox-chaos-logs-{int(time.time())}"
             shutil.copytree(logdir, kept)

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import psycopg
+import psycopg.conninfo
+
 from relay.errors import ConfigError
 from relay.gid import PREFIX_RE
 
@@ -77,6 +80,16 @@ def _url(*schemes: str) -> Callable[[str], str]:
     return parse
 
 
+def _database_url(text: str) -> str:
+    _url("postgresql", "postgres")(text)
+    try:
+        psycopg.conninfo.conninfo_to_dict(text)
+    except psycopg.Error:
+        # libpq's reason may quote a piece of the password: say only that it does not parse.
+        raise ValueError("is not a PostgreSQL URL libpq can parse") from None
+    return text
+
+
 def table_name(text: str) -> str:
     """``table`` or ``schema.table``, each part a plain identifier of at most 40 characters."""
     parts = text.split(".")
@@ -129,7 +142,7 @@ def redact_url(url: str) -> str:
 
 
 DATABASE_URL = Option(
-    "database_url", "OUTBOX_DATABASE_URL", _url("postgresql", "postgres"), None,
+    "database_url", "OUTBOX_DATABASE_URL", _database_url, None,
     "PostgreSQL URL; needs a session-mode connection (no transaction-mode pooler)", secret=True,
 )
 AMQP_URL = Option(

@@ -1,14 +1,17 @@
-"""Crash points for fault-injection tests: the relay kills itself at a named step.
+"""Crash points for fault-injection tests: the relay kills itself, or stalls, at a named step.
 
 Set ``OUTBOX_TEST_CRASH_AT`` to one of ``CRASH_POINTS`` (and optionally
-``OUTBOX_TEST_CRASH_AFTER`` to the number of times the point is passed first). Tests use this
-instead of timing luck; it is not a production setting and is off when unset.
+``OUTBOX_TEST_CRASH_AFTER`` to the number of times the point is passed first). With
+``OUTBOX_TEST_STALL_SECONDS`` as well, the relay sleeps that long at the point instead of dying:
+a slow but live relay. Tests use this instead of timing luck; it is not a production setting
+and is off when unset.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
 
 CRASH_POINTS = (
@@ -30,13 +33,18 @@ def crash_hook(environ: Mapping[str, str] | None = None) -> Callable[[str], None
     if point not in CRASH_POINTS:
         raise ValueError(f"OUTBOX_TEST_CRASH_AT must be one of {', '.join(CRASH_POINTS)}")
     remaining = [int(environ.get("OUTBOX_TEST_CRASH_AFTER", "0"))]
+    stall = float(environ.get("OUTBOX_TEST_STALL_SECONDS", "0"))
 
     def hook(reached: str) -> None:
-        if reached != point:
+        if reached != point or remaining[0] < 0:
             return
         if remaining[0] > 0:
             remaining[0] -= 1
             return
-        os.kill(os.getpid(), signal.SIGKILL)
+        if stall > 0:
+            remaining[0] = -1  # stall once, then run normally
+            time.sleep(stall)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return hook

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from datetime import datetime
 from typing import Any
 
+from relay import amqp
 from relay.errors import TransientError
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,17 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
     it, "not in the ledger" would be a guess.
     """
     gids: set[str] = set()
-    state = {"seen": False, "unacked": 0}
-    channel = conn.channel()
-    channel.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
+    seen = [False]
+    unacked = [0]
+    blocking = conn.channel()
+    blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
+    # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
+    # layer still holds, and a stream answers basic.reject by closing the whole connection.
+    channel = blocking._impl
 
     def on_message(ch: Any, method: Any, _props: Any, body: bytes) -> None:
+        if seen[0]:
+            return  # records after our marker: not needed; released when the channel closes
         try:
             record = json.loads(body)
         except ValueError:
@@ -56,23 +62,24 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
             if record.get("type") == "batch" and isinstance(record.get("gid"), str):
                 gids.add(record["gid"])
             elif record.get("type") == "marker" and record.get("marker") == marker:
-                state["seen"] = True
-        state["unacked"] += 1
-        if state["seen"] or state["unacked"] >= ACK_EVERY:
-            ch.basic_ack(method.delivery_tag, multiple=True)
-            state["unacked"] = 0
+                seen[0] = True
+        unacked[0] += 1
+        if seen[0] or unacked[0] >= ACK_EVERY:
+            ch.basic_ack(method.delivery_tag, multiple=True)  # credit for the next records
+            unacked[0] = 0
 
     tag = channel.basic_consume(stream, on_message, arguments={"x-stream-offset": since})
-    deadline = time.monotonic() + timeout
     try:
-        while not state["seen"]:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransientError(
-                    f"ledger marker did not come back within {timeout:g} s; cannot decide")
-            conn.process_data_events(time_limit=min(remaining, 0.25))
+        amqp.pump(conn, lambda: seen[0] or not channel.is_open, timeout)
+        if not channel.is_open:
+            raise TransientError("ledger read: the channel was closed by the broker")
+        if not seen[0]:
+            raise TransientError(
+                f"ledger marker did not come back within {timeout:g} s; cannot decide")
     finally:
         if channel.is_open:
-            channel.basic_cancel(tag)
-            channel.close()
+            # Deliveries still in flight to a cancelled consumer are rejected by pika unless it
+            # takes the consumer for a no-ack one; leave them unacked for the close to release.
+            channel._consumers_with_noack.add(tag)
+            blocking.close()
     return gids

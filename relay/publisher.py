@@ -138,11 +138,14 @@ class AmqpPublisher:
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""
+        if self._conn is None or not self._conn.is_open:
+            # A connection the broker closed has its I/O loop closed too: sleeping on it
+            # raises ValueError. Drop it; the loop reconnects on its next turn.
+            self.close()
+            time.sleep(seconds)
+            return
         try:
-            if self._conn is not None:
-                self._conn.sleep(seconds)
-            else:
-                time.sleep(seconds)
+            self._conn.sleep(seconds)
         except amqp.CONNECTION_ERRORS:
             self.close()
 

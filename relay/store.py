@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 import psycopg.errors
 from psycopg import sql
 from psycopg.types.json import Jsonb
@@ -49,12 +50,26 @@ class PreparedXact:
     age_seconds: float
 
 
+# libpq's TCP settings unless the URL sets them: a silent partition is noticed in about 30 s,
+# not after the kernel's retransmission limit (about 15 minutes).
+TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5",
+                "keepalives_count": "3", "tcp_user_timeout": "30000"}
+
+
+def connection_options(url: str) -> dict[str, str]:
+    """TCP_DEFAULTS that ``url`` does not set itself (a unix socket needs none)."""
+    given = psycopg.conninfo.conninfo_to_dict(url)
+    if str(given.get("host", "")).startswith("/"):
+        return {}
+    return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
+
+
 def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Connection[Any]:
     """An autocommit connection; a failure is a TransientError that never shows the password."""
     try:
         return psycopg.connect(
-            url, autocommit=True, connect_timeout=max(1, round(timeout)),
-            application_name=application_name,
+            psycopg.conninfo.make_conninfo(url, **connection_options(url)), autocommit=True,
+            connect_timeout=max(1, round(timeout)), application_name=application_name,
         )
     except psycopg.OperationalError as exc:
         # libpq's message names host and port, never the password.

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from relay import ledger, store
+from relay import amqp, ledger, store
 from relay.config import ResolverSettings
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class
@@ -30,6 +30,9 @@ from relay.publisher import AmqpPublisher
 log = logging.getLogger("resolver")
 
 RECONNECT_INITIAL_DELAY = 0.2
+# What fails a scan without ending the resolver: it reconnects and scans again.
+SCAN_ERRORS: tuple[type[BaseException], ...] = (
+    TransientError, psycopg.OperationalError, psycopg.InterfaceError, *amqp.CONNECTION_ERRORS)
 
 
 def resolver_health(settings: ResolverSettings) -> Health:
@@ -180,7 +183,7 @@ class Resolver:
                     log.info("resolver recovered", extra={"action": "resolver_recovered"})
                 failures = 0
                 delay = self.settings.interval
-            except (TransientError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            except SCAN_ERRORS as exc:
                 self.metrics.scan_errors.inc()
                 if failures == 0:
                     log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})

@@ -27,6 +27,8 @@ from relay.config import RelaySettings, ResolverSettings
 from relay.migrate import migrate
 from relay.queries import Tables
 
+pytest_plugins = ["tests.fix_proxy"]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Reconnect backoff shrunk for tests (psycopg_pool style).

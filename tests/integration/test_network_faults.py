@@ -13,30 +13,19 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 
-import pytest
-
 from devenv import checker
+from devenv.proxy import Proxy
 from relay import ledger
 from relay.publisher import AmqpPublisher
 from tests.conftest import ROOT, Env
-from tests.fix_proxy import Proxy, ProxyFactory
+from tests.fix_proxy import ProxyFactory
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
 BATCH = 50
 EVENTS = 4000
 CONFIRM_TIMEOUT = 2.0
-
-
-@pytest.fixture
-def proxies() -> Iterator[ProxyFactory]:
-    factory = ProxyFactory()
-    try:
-        yield factory
-    finally:
-        factory.close()
 
 
 def produce(env: Env, count: int = EVENTS) -> list[str]:

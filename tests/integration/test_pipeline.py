@@ -142,6 +142,29 @@ def test_resolver_leaves_a_live_relays_young_batch_alone(env: Env) -> None:
     assert outbox_count(env) == 10
 
 
+def test_resolver_loop_leaves_a_slow_live_relay_alone(env: Env) -> None:
+    """A real relay stalls 4 s between its confirms and its ledger record (alive, holding its
+    instance lock) while a resolver scans every 0.2 s: the batch is the relay's to finish."""
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 30, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="0.2")
+    relay = env.spawn("relay", OUTBOX_BATCH_SIZE="10", OUTBOX_LOG_LEVEL="DEBUG",
+                      OUTBOX_TEST_CRASH_AT="after_publish", OUTBOX_TEST_CRASH_AFTER="1",
+                      OUTBOX_TEST_STALL_SECONDS="4")
+    wait_until(lambda: in_doubt(env), 30, "the stalled batch to be prepared")
+    stalled = in_doubt(env)
+    time.sleep(2)  # ten scans while the batch is in doubt
+    assert in_doubt(env) == stalled
+    wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 30, "the relay to finish")
+    assert stop(relay) == 0 and stop(resolver) == 0
+    assert "resolved_" not in log_of(resolver), log_of(resolver)
+    assert f"batch committed [action=batch_committed gid={stalled[0]}" in log_of(relay)
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    report = checker.check(produced, deliveries)
+    assert report.ok(), report.summary()
+
+
 def test_two_resolvers_at_once_finish_each_batch_once(env: Env) -> None:
     with env.connect() as conn:
         produced = checker.insert_events(conn, env.table, 40, exchange=env.exchange,

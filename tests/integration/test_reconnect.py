@@ -106,3 +106,34 @@ def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None
     log = log_of(relay)
     assert log.count("postgresql connection lost") == 1, log
     assert log.count("postgresql reconnected") == 1, log
+
+
+def test_prepared_batches_survive_a_postgres_crash(own_env: Env, own_pg: PostgresServer) -> None:
+    """Two batches in doubt (one with its ledger record, one without) when PostgreSQL crashes:
+    both are still prepared after the restart, a live relay reconnects, the resolver commits
+    one and rolls back the other, and every event arrives exactly once."""
+    env = own_env
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 400, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    for crash_at in ("after_prepare", "after_ledger"):
+        doomed = env.spawn("relay", OUTBOX_BATCH_SIZE="40", OUTBOX_TEST_CRASH_AT=crash_at)
+        assert doomed.wait(30) == -signal.SIGKILL, log_of(doomed)
+    prepared = sorted(in_doubt(env))
+    assert len(prepared) == 2
+    relay = env.spawn("relay", OUTBOX_BATCH_SIZE="40", OUTBOX_RECONNECT_MAX_DELAY="1")
+    wait_until(lambda: outbox_count(env) == 80, 60, "the live relay to drain all but the doubt")
+    own_pg.kill()
+    time.sleep(1)
+    own_pg.restart()
+    assert sorted(in_doubt(env)) == prepared  # PREPARE made them durable
+    wait_until(lambda: "postgresql reconnected" in log_of(relay), 30, "the relay to reconnect")
+    resolve_once(env)
+    assert in_doubt(env) == []
+    wait_until(lambda: outbox_count(env) == 0, 60, "the rolled-back batch to be relayed")
+    assert stop(relay) == 0, log_of(relay)
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    with env.connect() as conn:
+        report = checker.check(produced, deliveries, conn=conn, table=env.table,
+                               gid_prefix=env.gid_prefix)
+    assert report.ok(max_duplicates=0), report.summary()

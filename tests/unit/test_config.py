@@ -110,7 +110,9 @@ def test_missing_required_setting_names_env_var_and_flag() -> None:
 
 
 @pytest.mark.parametrize("url", ["mysql://relay:hunter2@db/app", "relay:hunter2@db:5432",
-                                 "http://relay:hunter2@db/app"])
+                                 "http://relay:hunter2@db/app",
+                                 "postgresql://relay:hunter2%zz@db/app",
+                                 "postgresql://relay:hunter2@db/app?no_such_option=1"])
 def test_bad_database_url_is_refused_without_showing_it(url: str) -> None:
     message = relay_error(OUTBOX_DATABASE_URL=url)
 

@@ -82,3 +82,19 @@ def test_every_point_the_code_passes_is_a_known_crash_point() -> None:
     passed = set(re.findall(r"fault\(\"(\w+)\"\)", source))
 
     assert passed == set(CRASH_POINTS)
+
+
+def test_stall_sleeps_once_at_the_point_instead_of_dying(
+    kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sleeps: list[float] = []
+    monkeypatch.setattr("relay.faults.time.sleep", sleeps.append)
+    hook = crash_hook({"OUTBOX_TEST_CRASH_AT": "after_publish", "OUTBOX_TEST_CRASH_AFTER": "1",
+                       "OUTBOX_TEST_STALL_SECONDS": "2.5"})
+
+    for _ in range(4):
+        hook("after_prepare")
+        hook("after_publish")
+
+    assert sleeps == [2.5]
+    assert kills == []

@@ -1,0 +1,28 @@
+"""The chaos run in short form: every kind of fault in turn under load, then the checker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "devenv.chaos", "--duration", "45", "--fault-gap", "1.5", "3",
+         "--cycle", "--rate", "300", "--seed", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    # Each kind of fault happened at least once, and the checker found nothing wrong.
+    for kind in ("relay_kills", "postgres_restarts", "rabbitmq_restarts", "connection_cuts",
+                 "black_holes"):
+        assert figures[kind] >= 1, figures
+    assert figures["events"] > 5000, figures
+    assert figures["lost"] == 0 and figures["unexpected"] == 0, figures
+    assert figures["left_in_outbox"] == 0 and figures["in_doubt_left"] == 0, figures
+    assert figures["delivered"] == figures["events"] + figures["duplicated"], figures

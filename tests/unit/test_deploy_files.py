@@ -8,6 +8,7 @@ understands; where PyYAML happens to be installed, a test checks the reader agre
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import re
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DOCKERFILE = ROOT / "Dockerfile"
+PRODUCER = ROOT / "deploy" / "demo" / "producer.py"
 
 
 # -- a reader for the block-YAML subset the deploy files use ------------------------------------
@@ -147,7 +149,8 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     found = compose["services"]
-    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "prometheus"} <= set(found)
+    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "producer", "prometheus",
+            "grafana"} <= set(found)
     return found  # type: ignore[no-any-return]
 
 
@@ -320,6 +323,64 @@ def test_urls_point_at_the_compose_servers(services: dict[str, dict[str, Any]]) 
             f"amqp://{rabbit_env['RABBITMQ_DEFAULT_USER']}:{rabbit_env['RABBITMQ_DEFAULT_PASS']}"
             "@rabbitmq:5672/"
         )
+
+
+# -- the demo producer ------------------------------------------------------------------------
+
+def producer_module() -> Any:
+    """deploy/demo/producer.py, imported from its file (it is mounted, not installed)."""
+    spec = importlib.util.spec_from_file_location("demo_producer", PRODUCER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_producer_runs_the_mounted_demo_script(services: dict[str, dict[str, Any]]) -> None:
+    producer = services["producer"]
+    assert producer["build"] == "."
+    assert producer["image"] == "outbox-relay:dev"
+    command = _command(producer)
+    assert command[0] == "python"
+    mounts = [volume.split(":") for volume in producer["volumes"]]
+    assert mounts == [["./deploy/demo", "/demo", "ro"]]
+    script = Path(command[1])
+    assert script.parent == Path("/demo")
+    assert (ROOT / "deploy" / "demo" / script.name) == PRODUCER and PRODUCER.is_file()
+    assert producer["stop_signal"] == "SIGTERM"
+    assert producer["restart"] == "on-failure"
+    assert producer["depends_on"] == {
+        "migrate": {"condition": "service_completed_successfully"},
+        "rabbitmq": {"condition": "service_healthy"},
+    }
+
+
+def test_producer_environment_is_its_settings_and_matches_the_relay(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    module = producer_module()
+    by_env = {option.env: option for option in module.OPTIONS}
+    env = _environment(services["producer"])
+    for key, value in env.items():
+        assert key in by_env, f"producer: {key} is not read by {PRODUCER.name}"
+        by_env[key].parse(value)
+    args = module.build_parser().parse_args(_command(services["producer"])[2:])
+    values = config.resolve(args, module.OPTIONS, environ=env)
+    relay = _settings(services["relay"])
+    for key in ("database_url", "amqp_url", "table"):
+        assert values[key] == relay[key], key
+    # The relay publishes mandatory: an event to an exchange without a bound queue fails.
+    assert values["exchange"] and values["queue"]
+
+
+def test_producer_help_names_every_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    module = producer_module()
+    with pytest.raises(SystemExit) as exit_info:
+        module.build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in module.OPTIONS:
+        assert option.flag in text and f"env {option.env}" in text
 
 
 # -- Prometheus -----------------------------------------------------------------------------

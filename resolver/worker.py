@@ -24,7 +24,7 @@ from relay.config import ResolverSettings
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
-from relay.metrics import ResolverMetrics
+from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.publisher import AmqpPublisher
 
 log = logging.getLogger("resolver")
@@ -70,6 +70,7 @@ class Resolver:
         prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
         self.metrics.in_doubt.set(len(prepared))
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
+        self._observe_horizon(conn)
         locked: list[int] = []
         try:
             candidates = self._candidates(conn, prepared, locked)
@@ -93,6 +94,20 @@ class Resolver:
         finally:
             for instance in locked:
                 store.instance_unlock(conn, self.lock_class, instance)
+
+    def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
+        """Export what holds back VACUUM, and whether it is one of our prepared batches.
+
+        A tie counts as ours: a snapshot taken while our batch is prepared has our xid as its
+        xmin, so it is held back by us, not the other way round.
+        """
+        holders = store.xmin_horizon(conn, self.settings.gid_prefix)
+        for holder in HORIZON_HOLDERS:
+            found = holders.get(holder)
+            self.metrics.horizon_age.labels(holder).set(found.xid_age if found else 0)
+        ours = holders.pop("outbox_prepared", None)
+        holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
+        self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
 
     def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
                     locked: list[int]) -> list[store.PreparedXact]:

@@ -125,7 +125,8 @@ class AmqpPublisher:
             raise
         self._next_tag = 1
         self._closed_reason = None
-        log.info("connected to RabbitMQ", extra={"action": "amqp_connected"})
+        # The programs log "rabbitmq connected/reconnected" themselves (action connected).
+        log.debug("connected to RabbitMQ", extra={"action": "amqp_connected"})
 
     def close(self) -> None:
         conn, self._conn, self._channel, self._probe = self._conn, None, None, None
@@ -133,7 +134,8 @@ class AmqpPublisher:
             try:
                 conn.close()
             except Exception:
-                log.debug("error while closing the RabbitMQ connection", exc_info=True)
+                log.debug("error while closing the RabbitMQ connection", exc_info=True,
+                          extra={"action": "amqp_close_failed"})
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""

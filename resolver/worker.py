@@ -21,6 +21,7 @@ import psycopg
 
 from relay import ledger, store
 from relay.config import ResolverSettings
+from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
@@ -57,6 +58,7 @@ class Resolver:
         self.should_stop = should_stop
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
+        self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._amqp = AmqpPublisher(
             settings.amqp_url, ledger_stream=settings.ledger_stream,
             ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.ledger_read_timeout,
@@ -87,9 +89,11 @@ class Resolver:
                     "already_finished")
                 outcomes[xact.gid] = outcome
                 self.metrics.decisions.labels(outcome).inc()
-                log.info("in-doubt batch %s", outcome.replace("_", " "), extra={
-                    "action": f"resolved_{outcome}", "gid": xact.gid,
-                    "age_seconds": round(xact.age_seconds, 3)})
+                extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
+                                            "age_seconds": round(xact.age_seconds, 3)}
+                if commit:  # the ledger record says how many messages the batch published
+                    extra["batch_size"] = committed[xact.gid]
+                log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
             return outcomes
         finally:
             for instance in locked:
@@ -134,7 +138,7 @@ class Resolver:
                     alive.add(gid.instance)
         return candidates
 
-    def _ledger_gids(self, since: Any) -> set[str]:
+    def _ledger_gids(self, since: Any) -> dict[str, int]:
         if not self._amqp.connected:
             self._connect_amqp()
         marker = ledger.new_marker()
@@ -157,7 +161,7 @@ class Resolver:
                 self.health.set_check("postgresql", str(exc))
                 raise
             store.check_server(self._conn)
-            self.health.set_check("postgresql", None)
+            self._mark_up("postgresql")
         return self._conn
 
     def _connect_amqp(self) -> None:
@@ -166,7 +170,11 @@ class Resolver:
         except TransientError as exc:
             self.health.set_check("rabbitmq", str(exc))
             raise
-        self.health.set_check("rabbitmq", None)
+        self._mark_up("rabbitmq")
+
+    def _mark_up(self, server: str) -> None:
+        self.health.set_check(server, None)
+        self._connections.up(server)
 
     def connect(self) -> None:
         """Check both servers up front (fail fast on 2PC off or a ledger clash)."""

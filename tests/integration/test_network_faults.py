@@ -103,7 +103,8 @@ def ledger_gids(env: Env) -> set[str]:
         marker = ledger.new_marker()
         publisher.append_ledger(ledger.marker_record(marker), message_id=marker)
         since = datetime.now(timezone.utc) - timedelta(hours=1)
-        return ledger.read_until_marker(publisher.connection, env.ledger_stream, since, marker, 10)
+        return set(ledger.read_until_marker(publisher.connection, env.ledger_stream, since, marker,
+                                            10))
     finally:
         publisher.close()
 

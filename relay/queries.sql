@@ -96,6 +96,11 @@ FROM pg_prepared_xacts
 WHERE database = current_database() AND starts_with(gid, %(prefix)s)
 ORDER BY prepared;
 
+-- name: session_role
+-- Who may finish a prepared transaction: the role that prepared it (pg_prepared_xacts.owner is
+-- its current_user at PREPARE time) or a superuser; membership in that role is not enough.
+SELECT current_user AS role, rolsuper AS superuser FROM pg_roles WHERE rolname = current_user;
+
 -- name: xmin_horizon
 -- What holds back VACUUM in this database: for each kind of holder, the oldest transaction id it
 -- keeps alive (a running or prepared transaction's own xid, a snapshot's xmin, a replication

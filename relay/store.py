@@ -99,6 +99,22 @@ def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[Prepa
 
 
 @dataclass(frozen=True)
+class SessionRole:
+    name: str
+    superuser: bool
+
+    def may_finish(self, owner: str) -> bool:
+        """COMMIT/ROLLBACK PREPARED is allowed to the preparing role or a superuser only."""
+        return self.superuser or owner == self.name
+
+
+def session_role(conn: psycopg.Connection[Any]) -> SessionRole:
+    row = conn.execute(Tables("outbox").query("session_role")).fetchone()
+    assert row is not None
+    return SessionRole(row[0], bool(row[1]))
+
+
+@dataclass(frozen=True)
 class HorizonHolder:
     """The oldest transaction id one kind of holder keeps alive (see the ``xmin_horizon`` query)."""
 

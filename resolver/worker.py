@@ -58,6 +58,8 @@ class Resolver:
         self.should_stop = should_stop
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
+        self._role = store.SessionRole("", superuser=False)
+        self._not_ours: set[str] = set()  # gids of another role, already warned about
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._amqp = AmqpPublisher(
             settings.amqp_url, ledger_stream=settings.ledger_stream,
@@ -118,10 +120,21 @@ class Resolver:
         """Prepared batches whose relay is gone, or that passed the hard limit."""
         alive: set[int] = set()
         candidates = []
+        self._not_ours &= {xact.gid for xact in prepared}
         for xact in prepared:
             gid = Gid.parse(xact.gid)
             if gid is None or gid.prefix != self.settings.gid_prefix:
                 continue  # not of our format: never ours to finish
+            if not self._role.may_finish(xact.owner):
+                # PostgreSQL would refuse: only the preparing role or a superuser may finish it.
+                if xact.gid not in self._not_ours:
+                    self._not_ours.add(xact.gid)
+                    log.warning(
+                        "prepared batch belongs to role %s, the resolver runs as %s and cannot "
+                        "finish it: run the resolver as the relays' role", xact.owner,
+                        self._role.name, extra={"action": "not_owner", "gid": xact.gid,
+                                                "owner": xact.owner})
+                continue
             if xact.age_seconds >= self.settings.hard_limit:
                 log.warning("prepared batch passed the hard limit", extra={
                     "action": "hard_limit_reached", "gid": xact.gid})
@@ -161,6 +174,7 @@ class Resolver:
                 self.health.set_check("postgresql", str(exc))
                 raise
             store.check_server(self._conn)
+            self._role = store.session_role(self._conn)
             self._mark_up("postgresql")
         return self._conn
 

@@ -16,6 +16,7 @@ class ConnectionEvents:
         self._reconnects = reconnects
         self._ever_connected: set[str] = set()
         self._down: set[str] = set()
+        self._failing: set[str] = set()
 
     def down(self, server: str) -> None:
         """Log a lost connection once, not at every reconnection attempt."""
@@ -26,8 +27,20 @@ class ConnectionEvents:
             self._log.warning("%s connection lost; reconnecting", server,
                               extra={"action": "disconnected", "server": server})
 
+    def failed(self, server: str, error: BaseException | None) -> None:
+        """A connection attempt failed: say why once per outage (a wrong password, an untrusted
+        certificate and a server that is down all look alike otherwise), then only at DEBUG."""
+        if server not in self._failing:
+            self._failing.add(server)
+            self._log.warning("connecting to %s failed, retrying: %s", server, error,
+                              extra={"action": "connect_failed", "server": server})
+        else:
+            self._log.debug("reconnect to %s failed: %s", server, error,
+                            extra={"action": "reconnect_failed", "server": server})
+
     def up(self, server: str) -> None:
         self._down.discard(server)
+        self._failing.discard(server)
         if server in self._ever_connected:
             self._reconnects.labels(server).inc()
             self._log.info("%s reconnected", server,

@@ -320,8 +320,7 @@ class Relay:
     def _retrying(self, server: str) -> tenacity.Retrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.debug("reconnect to %s failed: %s", server, exc,
-                      extra={"action": "reconnect_failed", "server": server})
+            self._connections.failed(server, exc)
             self.health.set_check(server, f"reconnecting: {exc}")
 
         return tenacity.Retrying(

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import pika
+
 from relay.errors import ConfigError
 from relay.gid import PREFIX_RE
+from relay.logs import redact
 
 # One unquoted-style identifier part; a name with quotes, dots inside a part, spaces or
 # semicolons is refused rather than escaped, so logs, metrics and psql all show the same name.
@@ -77,6 +80,23 @@ def _url(*schemes: str) -> Callable[[str], str]:
     return parse
 
 
+class _SafeValueError(ValueError):
+    """A refusal whose text never contains the value: shown even for a secret setting."""
+
+
+def _amqp_url(text: str) -> str:
+    """amqp:// or amqps://, and query options pika accepts (ssl_options, heartbeat...): a bad
+    one stops the program here, not with a traceback at its first connection attempt."""
+    _url("amqp", "amqps")(text)
+    try:
+        pika.URLParameters(text)
+    except Exception as exc:  # ValueError, TypeError, SyntaxError, OSError (a missing CA file)
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise _SafeValueError(
+            f"has options pika cannot use ({type(exc).__name__}: {redact(reason)})") from None
+    return text
+
+
 def table_name(text: str) -> str:
     """``table`` or ``schema.table``, each part a plain identifier of at most 40 characters."""
     parts = text.split(".")
@@ -133,7 +153,8 @@ DATABASE_URL = Option(
     "PostgreSQL URL; needs a session-mode connection (no transaction-mode pooler)", secret=True,
 )
 AMQP_URL = Option(
-    "amqp_url", "OUTBOX_AMQP_URL", _url("amqp", "amqps"), None, "RabbitMQ URL", secret=True,
+    "amqp_url", "OUTBOX_AMQP_URL", _amqp_url, None,
+    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options, see the README)", secret=True,
 )
 TABLE = Option("table", "OUTBOX_TABLE", table_name, "outbox", "outbox table ([schema.]name)")
 GID_PREFIX = Option(
@@ -282,7 +303,8 @@ def resolve(
             values[option.dest] = option.parse(raw)
         except ValueError as exc:
             shown = "<hidden>" if option.secret else repr(raw)
-            detail = str(exc) if not option.secret else _url_hint(option)
+            safe = not option.secret or isinstance(exc, _SafeValueError)
+            detail = str(exc) if safe else _url_hint(option)
             raise ConfigError(f"{source} {detail} (got {shown})") from None
     return values
 

@@ -140,13 +140,18 @@ def test_each_program_works_as_its_least_privileged_role(
     assert migrated.returncode == 0, migrated.stderr
 
     # The service inserts events with nothing but its producer grant.
+    # An exchange that exists but the relay's user may not write to.
+    conn, channel = env.amqp_channel()
+    channel.exchange_declare(env.exchange + ".forbidden", exchange_type="topic")
+    conn.close()
     with psycopg.connect(roles["service"], autocommit=True) as service:
         produced = checker.insert_events(service, env.table, 100, exchange=env.exchange,
                                          routing_key=env.routing_key)
         service.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload, "
                                 "headers) VALUES ('bad-headers', %s, 'k', '{{}}', '[1]'), "
-                                "('no-exchange', %s, 'k', '{{}}', '{{}}')").format(tables.outbox),
-                        (env.exchange, env.exchange + ".missing"))
+                                "('no-exchange', %s, 'k', '{{}}', '{{}}'), "
+                                "('forbidden', %s, 'k', '{{}}', '{{}}')").format(tables.outbox),
+                        (env.exchange, env.exchange + ".missing", env.exchange + ".forbidden"))
 
     # A relay dies after the ledger record of its first batch ...
     crashed = env.spawn("relay", OUTBOX_TEST_CRASH_AT="after_ledger", **relay_env)
@@ -168,19 +173,22 @@ def test_each_program_works_as_its_least_privileged_role(
     assert "in-doubt batch committed" in resolver.stderr, resolver.stderr
     assert in_doubt(env) == []
 
-    # The relay publishes the rest, retries and dead-letters the two bad rows.
+    # The relay publishes the rest, retries and dead-letters the three bad rows.
     relay = env.spawn("relay", **relay_env)
     wait_until(lambda: outbox_count(env) == 0, 60, "the relay to empty the outbox")
     assert stop(relay) == 0, log_of(relay)
     for text in (log_of(relay), log_of(crashed)):
-        assert "permission denied" not in text and "ACCESS_REFUSED" not in text, text
+        assert "permission denied" not in text, text  # PostgreSQL's refusal
 
     # The operator lists and requeues dead letters.
     listed = run_cli(env, "relay", "dead-letter", "list", "--json",
                      OUTBOX_DATABASE_URL=roles["operator"])
     assert listed.returncode == 0, listed.stderr
-    dead = {row["message_id"]: row["id"] for row in json.loads(listed.stdout)}
-    assert set(dead) == {"bad-headers", "no-exchange"}
+    rows = {row["message_id"]: row for row in json.loads(listed.stdout)}
+    dead = {message_id: row["id"] for message_id, row in rows.items()}
+    assert set(dead) == {"bad-headers", "no-exchange", "forbidden"}
+    # A publish without write permission closes the channel; retried alone, the row is named.
+    assert "ACCESS_REFUSED" in rows["forbidden"]["last_error"], rows["forbidden"]
     requeued = run_cli(env, "relay", "dead-letter", "requeue", "--id", str(dead["no-exchange"]),
                        OUTBOX_DATABASE_URL=roles["operator"])
     assert requeued.returncode == 0, requeued.stderr
@@ -189,12 +197,13 @@ def test_each_program_works_as_its_least_privileged_role(
 
     deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
     with env.connect() as admin:
-        # The two poison rows are not among the produced events: out of the count.
+        # The poison rows are not among the produced events: out of the count.
         admin.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))
         admin.execute(sql.SQL("DELETE FROM {}").format(tables.dead_letter))
         report = checker.check(produced, deliveries, conn=admin, table=env.table,
                                gid_prefix=env.gid_prefix)
-    assert report.ok(max_duplicates=0), report.summary()
+    # The batch whose channel the broker closed may have delivered rows it did not confirm.
+    assert report.ok(max_duplicates=20), report.summary()
 
     # Least: each role is refused what it does not need.
     for kind, statement in (

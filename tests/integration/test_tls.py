@@ -95,8 +95,9 @@ def test_relay_and_resolver_connect_over_verified_tls(
     env = tenv
     rabbit, tls_port = tls_rabbit
     ca = certs / "ca.pem"
-    # The README's forms: libpq's own parameters, pika's ssl_options (URL-encoded), and a
-    # plain amqps:// URL verified against the CA file named by SSL_CERT_FILE.
+    # The README's forms: libpq's own parameters, pika's ssl_options (URL-encoded), and
+    # sslrootcert=system / a plain amqps:// URL verified against the CA file named by
+    # SSL_CERT_FILE (the "system" store).
     pg_url = (f"postgresql://postgres@localhost:{tls_pg.port}/outbox"
               f"?sslmode=verify-full&sslrootcert={ca}")
     amqp_url = (f"amqps://guest:guest@localhost:{tls_port}/%2F?"
@@ -106,7 +107,10 @@ def test_relay_and_resolver_connect_over_verified_tls(
                                          routing_key=env.routing_key)
     relay = env.spawn("relay", OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url,
                       OUTBOX_BATCH_SIZE="50")
-    resolver = env.spawn("resolver", OUTBOX_DATABASE_URL=pg_url, SSL_CERT_FILE=str(ca),
+    # libpq 16+ (psycopg's binary wheels bundle a newer one) trusts the system store with
+    # sslrootcert=system, which SSL_CERT_FILE replaces here.
+    system_pg_url = f"postgresql://postgres@localhost:{tls_pg.port}/outbox?sslrootcert=system"
+    resolver = env.spawn("resolver", OUTBOX_DATABASE_URL=system_pg_url, SSL_CERT_FILE=str(ca),
                          OUTBOX_AMQP_URL=f"amqps://guest:guest@localhost:{tls_port}/%2F",
                          OUTBOX_RESOLVER_INTERVAL="0.2")
     wait_until(lambda: outbox_count(env) == 0, 60, "the relay to publish over TLS")

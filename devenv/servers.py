@@ -523,6 +523,7 @@ class PostgresServer:
 # The real server script; /usr/sbin/rabbitmq-server is a wrapper that switches to the
 # rabbitmq user, which would not own our temporary directory.
 _RABBIT_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+_RABBIT_CTL = _RABBIT_SERVER.with_name("rabbitmqctl")
 
 
 class RabbitServer:
@@ -773,6 +774,15 @@ class RabbitServer:
         coordinator's registration was not on disk yet). Give it a second or two first.
         """
         self._terminate(None)
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """Run ``rabbitmqctl`` against this node (add_user, set_permissions...); its stdout."""
+        result = subprocess.run([str(_RABBIT_CTL), "-n", self.node_name, *args], env=self._env(),
+                                capture_output=True, text=True, timeout=timeout, check=False)
+        if result.returncode != 0:
+            raise _error(f"rabbitmqctl {args[0] if args else ''} failed on {self.node_name}", [],
+                         result.stdout + result.stderr)
+        return result.stdout
 
     def restart(self, timeout: float = 60.0) -> None:
         """Start again on the same port, node name and data directory."""

@@ -41,7 +41,14 @@ def connect(url: str, *, timeout: float, name: str) -> Any:
     except pika.exceptions.ProbableAuthenticationError as exc:
         raise StartupCheckError("RabbitMQ refused the credentials of OUTBOX_AMQP_URL") from exc
     except CONNECTION_ERRORS as exc:
-        raise TransientError(f"cannot connect to RabbitMQ: {type(exc).__name__}") from exc
+        raise TransientError(f"cannot connect to RabbitMQ: {_reason(exc)}") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """The error's class and first line ("SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED]
+    certificate verify failed ..."); pika's texts name hosts and ports, never the password."""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def declare_ledger(channel: Any, stream: str, max_age: str) -> None:

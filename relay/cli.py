@@ -89,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outbox-relay: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except StartupCheckError as exc:
+        # One line, in the configured log format (logging is set up by now).
         log.error("%s", exc, extra={"action": "startup_check_failed"})
-        print(f"outbox-relay: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     except TransientError as exc:
         print(f"outbox-relay: error: {exc}", file=sys.stderr)

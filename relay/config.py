@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import pika
 import psycopg
 import psycopg.conninfo
 
 from relay.errors import ConfigError
 from relay.gid import PREFIX_RE
+from relay.logs import redact
 
 # One unquoted-style identifier part; a name with quotes, dots inside a part, spaces or
 # semicolons is refused rather than escaped, so logs, metrics and psql all show the same name.
@@ -80,13 +82,30 @@ def _url(*schemes: str) -> Callable[[str], str]:
     return parse
 
 
+class _SafeValueError(ValueError):
+    """A refusal whose text never contains the value: shown even for a secret setting."""
+
+
 def _database_url(text: str) -> str:
     _url("postgresql", "postgres")(text)
     try:
         psycopg.conninfo.conninfo_to_dict(text)
     except psycopg.Error:
         # libpq's reason may quote a piece of the password: say only that it does not parse.
-        raise ValueError("is not a PostgreSQL URL libpq can parse") from None
+        raise _SafeValueError("is not a PostgreSQL URL libpq can parse") from None
+    return text
+
+
+def _amqp_url(text: str) -> str:
+    """amqp:// or amqps://, and query options pika accepts (ssl_options, heartbeat...): a bad
+    one stops the program here, not with a traceback at its first connection attempt."""
+    _url("amqp", "amqps")(text)
+    try:
+        pika.URLParameters(text)
+    except Exception as exc:  # ValueError, TypeError, SyntaxError, OSError (a missing CA file)
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise _SafeValueError(
+            f"has options pika cannot use ({type(exc).__name__}: {redact(reason)})") from None
     return text
 
 
@@ -146,7 +165,8 @@ DATABASE_URL = Option(
     "PostgreSQL URL; needs a session-mode connection (no transaction-mode pooler)", secret=True,
 )
 AMQP_URL = Option(
-    "amqp_url", "OUTBOX_AMQP_URL", _url("amqp", "amqps"), None, "RabbitMQ URL", secret=True,
+    "amqp_url", "OUTBOX_AMQP_URL", _amqp_url, None,
+    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options, see the README)", secret=True,
 )
 TABLE = Option("table", "OUTBOX_TABLE", table_name, "outbox", "outbox table ([schema.]name)")
 GID_PREFIX = Option(
@@ -295,7 +315,8 @@ def resolve(
             values[option.dest] = option.parse(raw)
         except ValueError as exc:
             shown = "<hidden>" if option.secret else repr(raw)
-            detail = str(exc) if not option.secret else _url_hint(option)
+            safe = not option.secret or isinstance(exc, _SafeValueError)
+            detail = str(exc) if safe else _url_hint(option)
             raise ConfigError(f"{source} {detail} (got {shown})") from None
     return values
 

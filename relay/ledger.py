@@ -36,13 +36,14 @@ def new_marker() -> str:
 
 
 def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
-                      timeout: float) -> set[str]:
-    """Gids of every batch record from ``since`` up to ``marker`` (which must be published).
+                      timeout: float) -> dict[str, int]:
+    """{gid: message count} of every batch record from ``since`` up to ``marker`` (which must be
+    published).
 
     Raises TransientError if the marker does not come back within ``timeout`` seconds: without
     it, "not in the ledger" would be a guess.
     """
-    gids: set[str] = set()
+    gids: dict[str, int] = {}
     seen = [False]
     unacked = [0]
     blocking = conn.channel()
@@ -60,7 +61,8 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
             record = {}
         if isinstance(record, dict):
             if record.get("type") == "batch" and isinstance(record.get("gid"), str):
-                gids.add(record["gid"])
+                count = record.get("count")
+                gids[record["gid"]] = count if isinstance(count, int) else 0
             elif record.get("type") == "marker" and record.get("marker") == marker:
                 seen[0] = True
         unacked[0] += 1

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import datetime, timezone
 
 # LogRecord attributes that are not "extra" fields.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+# A safety net under "never log a password": the programs never put a URL's password in a
+# message, but a library's exception text might. URL userinfo passwords and libpq's
+# key=value ``password=...`` are masked in every line, whatever logger wrote it.
+_URL_PASSWORD_RE = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)[^\s/]+@")
+_KV_PASSWORD_RE = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with passwords in URLs and in libpq key=value strings replaced by ``***``."""
+    return _KV_PASSWORD_RE.sub(r"\1***", _URL_PASSWORD_RE.sub(r"\1***@", text))
 
 
 def _extras(record: logging.LogRecord) -> dict[str, object]:
@@ -27,7 +40,9 @@ class JsonFormatter(logging.Formatter):
         line.update(_extras(record))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        # Redacted value by value, before encoding, so the line always stays valid JSON.
+        return json.dumps({k: redact(v) if isinstance(v, str) else v for k, v in line.items()},
+                          default=lambda v: redact(str(v)))
 
 
 class TextFormatter(logging.Formatter):
@@ -37,7 +52,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         fields = " ".join(f"{k}={v}" for k, v in _extras(record).items())
-        return f"{text} [{fields}]" if fields else text
+        return redact(f"{text} [{fields}]" if fields else text)
 
 
 def setup(level: str, fmt: str) -> None:

@@ -25,6 +25,10 @@ FAILURE_REASONS = (
     "ledger",
 )
 
+# Who keeps the oldest transaction id alive: our prepared batches, anyone else's prepared
+# transactions, sessions (running transactions and snapshots), replication slots.
+HORIZON_HOLDERS = ("outbox_prepared", "other_prepared", "session", "replication_slot")
+
 
 class RelayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -42,7 +46,9 @@ class RelayMetrics:
             "outbox_relay_batch_size_events", "Rows per claimed batch",
             buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000), registry=r)
         self.failures = Counter(
-            "outbox_relay_publish_failures_total", "Rows that failed to publish, by reason",
+            "outbox_relay_publish_failures_total",
+            "Failed rows (unroutable, nacked, exchange_not_found, channel_closed) or batches "
+            "(connection_lost, confirm_timeout, ledger), by reason",
             ["reason"], registry=r)
         self.dead_lettered = Counter(
             "outbox_relay_dead_lettered_total",
@@ -80,6 +86,16 @@ class ResolverMetrics:
             "outbox_prepared_oldest_age_seconds",
             "Age of the oldest prepared transaction of this gid prefix (holds back VACUUM)",
             registry=r)
+        self.horizon_age = Gauge(
+            "outbox_xmin_horizon_age_transactions",
+            "Age in transactions (age(xid)) of the oldest transaction id each kind of holder keeps "
+            "alive in this database; the largest is the xmin horizon VACUUM cannot pass",
+            ["holder"], registry=r)
+        self.holding_vacuum = Gauge(
+            "outbox_prepared_holding_vacuum_age_seconds",
+            "Age of our oldest prepared transaction while it is what holds back this database's "
+            "xmin horizon (VACUUM); 0 while nothing of ours or something older holds it",
+            registry=r)
         self.decisions = Counter(
             "outbox_resolver_decisions_total", "In-doubt transactions finished, by outcome",
             ["outcome"], registry=r)
@@ -95,6 +111,8 @@ class ResolverMetrics:
         self.last_loop = Gauge(
             "outbox_resolver_last_loop_timestamp_seconds",
             "When the resolver loop last turned (a scan, successful or not)", registry=r)
+        for holder in HORIZON_HOLDERS:
+            self.horizon_age.labels(holder)
         for outcome in ("committed", "rolled_back", "already_finished"):
             self.decisions.labels(outcome)
         for server in ("postgresql", "rabbitmq"):

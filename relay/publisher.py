@@ -127,7 +127,8 @@ class AmqpPublisher:
             raise
         self._next_tag = 1
         self._closed_reason = None
-        log.info("connected to RabbitMQ", extra={"action": "amqp_connected"})
+        # The programs log "rabbitmq connected/reconnected" themselves (action connected).
+        log.debug("connected to RabbitMQ", extra={"action": "amqp_connected"})
 
     def close(self, *, handshake: bool = True) -> None:
         """Close the connection, waiting at most CLOSE_TIMEOUT for the broker's answer (none

@@ -96,6 +96,40 @@ FROM pg_prepared_xacts
 WHERE database = current_database() AND starts_with(gid, %(prefix)s)
 ORDER BY prepared;
 
+-- name: session_role
+-- Who may finish a prepared transaction: the role that prepared it (pg_prepared_xacts.owner is
+-- its current_user at PREPARE time) or a superuser; membership in that role is not enough.
+SELECT current_user AS role, rolsuper AS superuser FROM pg_roles WHERE rolname = current_user;
+
+-- name: xmin_horizon
+-- What holds back VACUUM in this database: for each kind of holder, the oldest transaction id it
+-- keeps alive (a running or prepared transaction's own xid, a snapshot's xmin, a replication
+-- slot's xmin), as its age in transactions; for prepared transactions also in seconds. The
+-- database's xmin horizon is the largest of these ages. Sessions in other databases hold back
+-- only the shared catalogs here; sessions without a database (walsenders with
+-- hot_standby_feedback) hold back every database. pg_stat_activity shows backend_xid and
+-- backend_xmin of every role's sessions without extra privileges.
+WITH holders AS (
+    SELECT CASE WHEN starts_with(gid, %(prefix)s) THEN 'outbox_prepared' ELSE 'other_prepared' END
+               AS holder,
+           age(transaction) AS xid_age,
+           extract(epoch FROM now() - prepared)::float8 AS age_seconds
+    FROM pg_prepared_xacts
+    WHERE database = current_database()
+    UNION ALL
+    SELECT 'session', greatest(age(backend_xid), age(backend_xmin)), NULL
+    FROM pg_stat_activity
+    WHERE (datname = current_database() OR datid IS NULL) AND pid <> pg_backend_pid()
+      AND coalesce(backend_xid, backend_xmin) IS NOT NULL
+    UNION ALL
+    SELECT 'replication_slot', age(xmin), NULL
+    FROM pg_replication_slots
+    WHERE xmin IS NOT NULL AND (database IS NULL OR database = current_database())
+)
+SELECT holder, max(xid_age)::bigint AS xid_age, max(age_seconds) AS age_seconds
+FROM holders
+GROUP BY holder;
+
 -- name: dead_letter_list
 -- `outbox-relay dead-letter list`: the oldest dead letters first, with how many there are.
 SELECT id, message_id, exchange, routing_key, attempts, dead_at, last_error,

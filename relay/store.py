@@ -113,6 +113,38 @@ def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[Prepa
     return [PreparedXact(*row) for row in rows]
 
 
+@dataclass(frozen=True)
+class SessionRole:
+    name: str
+    superuser: bool
+
+    def may_finish(self, owner: str) -> bool:
+        """COMMIT/ROLLBACK PREPARED is allowed to the preparing role or a superuser only."""
+        return self.superuser or owner == self.name
+
+
+def session_role(conn: psycopg.Connection[Any]) -> SessionRole:
+    row = conn.execute(Tables("outbox").query("session_role")).fetchone()
+    assert row is not None
+    return SessionRole(row[0], bool(row[1]))
+
+
+@dataclass(frozen=True)
+class HorizonHolder:
+    """The oldest transaction id one kind of holder keeps alive (see the ``xmin_horizon`` query)."""
+
+    xid_age: int
+    age_seconds: float | None  # prepared transactions only
+
+
+def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, HorizonHolder]:
+    """{holder kind: its oldest xid}; kinds: outbox_prepared (this gid prefix), other_prepared,
+    session, replication_slot. Kinds holding nothing are left out."""
+    rows = conn.execute(Tables("outbox").query("xmin_horizon"), {"prefix": prefix + ":"})
+    return {holder: HorizonHolder(int(xid_age), age_seconds)
+            for holder, xid_age, age_seconds in rows}
+
+
 def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) -> bool:
     """COMMIT or ROLLBACK PREPARED; False when the transaction no longer exists (42704).
 

@@ -12,6 +12,7 @@ import psycopg
 import tenacity
 
 from relay.config import RelaySettings
+from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class, new_instance_id
 from relay.health import Health, stall_threshold
@@ -99,11 +100,12 @@ class Relay:
         self.instance = new_instance_id() if instance is None else instance
         self.lock_class = lock_class(settings.gid_prefix)
         self._sequence = 0
-        # A prepared batch whose outcome is decided but not yet applied (PostgreSQL went away).
+        # A prepared batch whose outcome is decided but not yet applied (PostgreSQL went away),
+        # and its number of rows (for the log line when it is finally applied).
         self._unfinished: tuple[str, bool] | None = None
+        self._unfinished_size = 0
         self._next_stats = 0.0
-        self._down: set[str] = set()
-        self._ever_connected: set[str] = set()
+        self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._fault_streak = 0
 
     @property
@@ -135,6 +137,7 @@ class Relay:
         # loop to apply after reconnecting: roll back unless the ledger record is confirmed. Set
         # before PREPARE: its reply can be lost after the server prepared the transaction.
         self._unfinished = (gid, False)
+        self._unfinished_size = len(rows)
         self.store.prepare(gid)
         self.fault("after_prepare")
 
@@ -157,10 +160,17 @@ class Relay:
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
                 self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
+                for row, error in invalid:
+                    log.warning("row dead-lettered: %s", error, extra={
+                        "action": "row_dead_lettered", "reason": "invalid", "gid": gid,
+                        "row_id": row.id, "message_id": row.message_id})
             self.fault("after_commit")
         else:
-            self._finish(gid, commit=False, size=len(rows))
-            self._settle(result, batch_size=len(messages))
+            refused = len(result.failed) + len(result.suspect)
+            self._finish(gid, commit=False, size=len(rows), reason=result.transient or (
+                f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker"))
+            self._settle(result, gid=gid, batch_size=len(messages),
+                         message_ids={row.id: row.message_id for row in rows})
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
         return len(rows)
@@ -171,8 +181,7 @@ class Relay:
         for row in rows:
             built = to_message(row, max_bytes=self.settings.max_message_bytes)
             if isinstance(built, str):
-                log.warning("row cannot be published; dead-lettering it",
-                            extra={"action": "row_invalid", "row_id": row.id, "error": built})
+                # Logged once the batch that moves it to the dead-letter table has committed.
                 invalid.append((row, built))
             else:
                 messages.append(built)
@@ -182,10 +191,11 @@ class Relay:
         self._sequence += 1
         return str(Gid(self.settings.gid_prefix, self.instance, self._sequence))
 
-    def _finish(self, gid: str, *, commit: bool, size: int) -> bool:
+    def _finish(self, gid: str, *, commit: bool, size: int, reason: str | None = None) -> bool:
         """COMMIT or ROLLBACK PREPARED; if PostgreSQL is gone, the decision waits in _unfinished.
 
-        True when this call finished the transaction, False when it no longer existed.
+        True when this call finished the transaction, False when it no longer existed. Logs one
+        line: the outcome, the gid, the batch size and (for a rollback) why.
         """
         try:
             done = self.store.finish(gid, commit=commit)
@@ -203,29 +213,34 @@ class Relay:
             return False
         outcome = "committed" if commit else "rolled_back"
         self.metrics.batches.labels(outcome).inc()
+        extra: dict[str, object] = {"action": f"batch_{outcome}", "gid": gid, "batch_size": size}
+        if reason is not None:
+            extra["reason"] = reason
         log.log(logging.DEBUG if commit else logging.WARNING, "batch %s", outcome.replace("_", " "),
-                extra={"action": f"batch_{outcome}", "gid": gid, "batch_size": size})
+                extra=extra)
         return True
 
-    def _settle(self, result: PublishResult, *, batch_size: int) -> None:
+    def _settle(self, result: PublishResult, *, gid: str, batch_size: int,
+                message_ids: dict[int, str]) -> None:
         """A failed batch was rolled back: forget what was delivered, count what failed."""
         failures = {**result.suspect, **result.failed}
         # A suspect alone in its batch is the culprit; otherwise it is only retried alone.
         attributed = list(result.failed) + (list(result.suspect) if batch_size == 1 else [])
         for error in failures.values():
             self.metrics.failures.labels(failure_reason(error)).inc()
-        if result.transient:
+        if result.transient:  # logged as the reason of the rollback
             self.metrics.failures.labels(failure_reason(result.transient)).inc()
-            log.warning("batch failed: %s", result.transient,
-                        extra={"action": "batch_failed", "batch_size": batch_size})
         s = self.settings
         dead = self.store.settle_failed(
             sorted(result.confirmed), failures, attributed, max_attempts=s.max_attempts,
             base_delay=s.retry_base_delay, max_delay=s.retry_max_delay)
         for row_id, error in failures.items():
-            log.warning("row failed: %s", error, extra={
-                "action": "row_dead_lettered" if row_id in dead else "row_failed",
-                "row_id": row_id})
+            extra = {"gid": gid, "row_id": row_id, "message_id": message_ids.get(row_id)}
+            if row_id in dead:
+                log.warning("row dead-lettered: %s", error, extra={
+                    "action": "row_dead_lettered", "reason": "exhausted", **extra})
+            else:
+                log.warning("row failed: %s", error, extra={"action": "row_failed", **extra})
         self.metrics.dead_lettered.labels("exhausted").inc(len(dead))
 
     # -- the loop -----------------------------------------------------------------------------
@@ -299,13 +314,13 @@ class Relay:
             self._mark_up(server)
         if self._unfinished is not None:
             gid, commit = self._unfinished
-            self._finish(gid, commit=commit, size=0)
+            self._finish(gid, commit=commit, size=self._unfinished_size,
+                         reason="decided before the PostgreSQL connection was lost")
 
     def _retrying(self, server: str) -> tenacity.Retrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.debug("reconnect to %s failed: %s", server, exc,
-                      extra={"action": "reconnect_failed", "server": server})
+            self._connections.failed(server, exc)
             self.health.set_check(server, f"reconnecting: {exc}")
 
         return tenacity.Retrying(
@@ -327,25 +342,14 @@ class Relay:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _mark_down(self, server: str) -> None:
-        """Log a lost connection once, not at every reconnection attempt."""
         self.metrics.connected.labels(server).set(0)
         self.health.set_check(server, "not connected")
-        if server not in self._down:
-            self._down.add(server)
-            if server in self._ever_connected:
-                log.warning("%s connection lost; reconnecting", server,
-                            extra={"action": "disconnected", "server": server})
+        self._connections.down(server)
 
     def _mark_up(self, server: str) -> None:
         self.metrics.connected.labels(server).set(1)
         self.health.set_check(server, None)
-        self._down.discard(server)
-        if server in self._ever_connected:
-            self.metrics.reconnects.labels(server).inc()
-            log.info("%s reconnected", server, extra={"action": "reconnected", "server": server})
-        else:
-            self._ever_connected.add(server)
-            log.info("%s connected", server, extra={"action": "connected", "server": server})
+        self._connections.up(server)
 
     def _refresh_stats(self) -> None:
         now = time.monotonic()

@@ -56,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outbox-resolver: error: {exc}", file=sys.stderr)
         return 2
     except StartupCheckError as exc:
-        print(f"outbox-resolver: error: {exc}", file=sys.stderr)
+        # One line, in the configured log format (logging is set up by now).
+        log.error("%s", exc, extra={"action": "startup_check_failed"})
         return 3
     except TransientError as exc:
         print(f"outbox-resolver: error: {exc}", file=sys.stderr)

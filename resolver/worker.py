@@ -21,10 +21,11 @@ import psycopg
 
 from relay import amqp, ledger, store
 from relay.config import ResolverSettings
+from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, TransientError
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
-from relay.metrics import ResolverMetrics
+from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.publisher import AmqpPublisher
 
 log = logging.getLogger("resolver")
@@ -60,6 +61,9 @@ class Resolver:
         self.should_stop = should_stop
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
+        self._role = store.SessionRole("", superuser=False)
+        self._not_ours: set[str] = set()  # gids of another role, already warned about
+        self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._amqp = AmqpPublisher(
             settings.amqp_url, ledger_stream=settings.ledger_stream,
             ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.ledger_read_timeout,
@@ -73,6 +77,7 @@ class Resolver:
         prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
         self.metrics.in_doubt.set(len(prepared))
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
+        self._observe_horizon(conn)
         locked: list[int] = []
         try:
             candidates = self._candidates(conn, prepared, locked)
@@ -89,23 +94,50 @@ class Resolver:
                     "already_finished")
                 outcomes[xact.gid] = outcome
                 self.metrics.decisions.labels(outcome).inc()
-                log.info("in-doubt batch %s", outcome.replace("_", " "), extra={
-                    "action": f"resolved_{outcome}", "gid": xact.gid,
-                    "age_seconds": round(xact.age_seconds, 3)})
+                extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
+                                            "age_seconds": round(xact.age_seconds, 3)}
+                if commit:  # the ledger record says how many messages the batch published
+                    extra["batch_size"] = committed[xact.gid]
+                log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
             return outcomes
         finally:
             for instance in locked:
                 store.instance_unlock(conn, self.lock_class, instance)
+
+    def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
+        """Export what holds back VACUUM, and whether it is one of our prepared batches.
+
+        A tie counts as ours: a snapshot taken while our batch is prepared has our xid as its
+        xmin, so it is held back by us, not the other way round.
+        """
+        holders = store.xmin_horizon(conn, self.settings.gid_prefix)
+        for holder in HORIZON_HOLDERS:
+            found = holders.get(holder)
+            self.metrics.horizon_age.labels(holder).set(found.xid_age if found else 0)
+        ours = holders.pop("outbox_prepared", None)
+        holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
+        self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
 
     def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
                     locked: list[int]) -> list[store.PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit."""
         alive: set[int] = set()
         candidates = []
+        self._not_ours &= {xact.gid for xact in prepared}
         for xact in prepared:
             gid = Gid.parse(xact.gid)
             if gid is None or gid.prefix != self.settings.gid_prefix:
                 continue  # not of our format: never ours to finish
+            if not self._role.may_finish(xact.owner):
+                # PostgreSQL would refuse: only the preparing role or a superuser may finish it.
+                if xact.gid not in self._not_ours:
+                    self._not_ours.add(xact.gid)
+                    log.warning(
+                        "prepared batch belongs to role %s, the resolver runs as %s and cannot "
+                        "finish it: run the resolver as the relays' role", xact.owner,
+                        self._role.name, extra={"action": "not_owner", "gid": xact.gid,
+                                                "owner": xact.owner})
+                continue
             if xact.age_seconds >= self.settings.hard_limit:
                 log.warning("prepared batch passed the hard limit", extra={
                     "action": "hard_limit_reached", "gid": xact.gid})
@@ -122,7 +154,7 @@ class Resolver:
                     alive.add(gid.instance)
         return candidates
 
-    def _ledger_gids(self, since: Any) -> set[str]:
+    def _ledger_gids(self, since: Any) -> dict[str, int]:
         if not self._amqp.connected:
             self._connect_amqp()
         marker = ledger.new_marker()
@@ -145,7 +177,8 @@ class Resolver:
                 self.health.set_check("postgresql", str(exc))
                 raise
             store.check_server(self._conn)
-            self.health.set_check("postgresql", None)
+            self._role = store.session_role(self._conn)
+            self._mark_up("postgresql")
         return self._conn
 
     def _connect_amqp(self) -> None:
@@ -154,7 +187,11 @@ class Resolver:
         except TransientError as exc:
             self.health.set_check("rabbitmq", str(exc))
             raise
-        self.health.set_check("rabbitmq", None)
+        self._mark_up("rabbitmq")
+
+    def _mark_up(self, server: str) -> None:
+        self.health.set_check(server, None)
+        self._connections.up(server)
 
     def connect(self) -> None:
         """Check both servers up front (fail fast on 2PC off or a ledger clash)."""

@@ -49,7 +49,7 @@ def test_reads_under_concurrent_appends_keep_the_connection(env: Env) -> None:
             reader.append_ledger(ledger.marker_record(marker), message_id=marker)
             gids = ledger.read_until_marker(reader.connection, env.ledger_stream, since,
                                             marker, 10)
-            assert set(before) <= gids
+            assert set(before) <= set(gids)
             assert reader.connected, "the ledger read cost the reader its connection"
             appended.clear()
     finally:

@@ -6,6 +6,7 @@ or on servers named by OUTBOX_TEST_* variables).
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pika
 import pytest
 
 from devenv import checker
-from devenv.servers import PostgresServer, RabbitServer
+from devenv.servers import PostgresServer, RabbitServer, free_port
+from tests.acceptance.test_metrics import scrape
 from tests.conftest import ROOT, Env, finish_env, make_env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
@@ -87,6 +89,9 @@ def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None
                                          routing_key=env.routing_key)
     relay = env.spawn("relay", OUTBOX_BATCH_SIZE="50", OUTBOX_POLL_MIN_INTERVAL="0.02",
                       OUTBOX_RECONNECT_MAX_DELAY="2")
+    resolver_port = free_port()
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="0.2", OUTBOX_RECONNECT_MAX_DELAY="2",
+                         OUTBOX_METRICS_HOST="127.0.0.1", OUTBOX_METRICS_PORT=str(resolver_port))
     wait_until(lambda: outbox_count(env) < 3500, 60, "the relay to make progress")
     own_pg.kill()  # immediate crash: prepared transactions must survive it
     time.sleep(1)
@@ -106,6 +111,11 @@ def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None
     log = log_of(relay)
     assert log.count("postgresql connection lost") == 1, log
     assert log.count("postgresql reconnected") == 1, log
+    # The resolver reconnects too, says so, and counts it.
+    wait_until(lambda: "postgresql reconnected" in log_of(resolver), 30, "the resolver to reconnect")
+    assert re.search(r'^outbox_resolver_reconnects_total\{server="postgresql"\} [1-9]',
+                     scrape(resolver_port), re.M), scrape(resolver_port)
+    assert stop(resolver) == 0, log_of(resolver)
 
 
 def test_prepared_batches_survive_a_postgres_crash(own_env: Env, own_pg: PostgresServer) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -272,3 +275,28 @@ def test_redact_url_hides_the_password_of_unparsable_urls() -> None:
 @pytest.mark.parametrize("url", ["postgresql://relay:s3cr#et@db/app", "postgresql://relay:s3cr?et@db/app"])
 def test_redact_url_never_shows_a_password_with_url_delimiters(url: str) -> None:
     assert "s3cr" not in redact_url(url)
+
+
+@pytest.mark.parametrize(("query", "reason"), [
+    ("ssl_options=%7B%27ca_certs%27%3A%20%27%2Fnowhere%2Fca.pem%27%7D", "FileNotFoundError"),
+    ("ssl_options=not-a-literal", "ValueError"),
+    ("ssl_options=%7B%27certfile%27%3A%20%27x.pem%27%7D", "TypeError"),  # no CA given
+    ("heartbeat=often", "ValueError"),
+])
+def test_amqp_url_options_pika_cannot_use_are_refused_up_front(query: str, reason: str) -> None:
+    message = relay_error(OUTBOX_AMQP_URL=f"amqps://guest:hunter2@mq:5671/%2F?{query}")
+
+    assert message.startswith(f"OUTBOX_AMQP_URL has options pika cannot use ({reason}: ")
+    assert message.endswith(" (got <hidden>)")
+    assert "hunter2" not in message
+
+
+def test_amqps_url_with_a_ca_file_is_accepted(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(tmp_path / "ca.key"), "-out", str(ca), "-days", "1", "-subj", "/CN=test"],
+                   check=True, capture_output=True, timeout=60)
+    url = "amqps://guest:guest@mq:5671/%2F?" + urllib.parse.urlencode(
+        {"ssl_options": repr({"ca_certs": str(ca), "server_hostname": "mq.example"})})
+
+    assert relay_values(OUTBOX_AMQP_URL=url)["amqp_url"] == url

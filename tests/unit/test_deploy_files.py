@@ -8,6 +8,7 @@ understands; where PyYAML happens to be installed, a test checks the reader agre
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import re
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DOCKERFILE = ROOT / "Dockerfile"
+PRODUCER = ROOT / "deploy" / "demo" / "producer.py"
 
 
 # -- a reader for the block-YAML subset the deploy files use ------------------------------------
@@ -147,7 +149,8 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     found = compose["services"]
-    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "prometheus"} <= set(found)
+    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "producer", "prometheus",
+            "grafana"} <= set(found)
     return found  # type: ignore[no-any-return]
 
 
@@ -280,8 +283,9 @@ def test_long_running_services_stop_gracefully(services: dict[str, dict[str, Any
     grace = _seconds(service["stop_grace_period"])
     assert grace >= 10
     if name == "relay":
-        # A batch waiting for confirms fails and is rolled back before the SIGKILL.
-        assert _settings(service)["confirm_timeout"] < grace
+        # The batch in flight waits for its confirms, then its ledger record's: it is committed
+        # or rolled back before the SIGKILL.
+        assert 2 * _settings(service)["confirm_timeout"] < grace
 
 
 def test_dependencies(services: dict[str, dict[str, Any]]) -> None:
@@ -320,6 +324,64 @@ def test_urls_point_at_the_compose_servers(services: dict[str, dict[str, Any]]) 
             f"amqp://{rabbit_env['RABBITMQ_DEFAULT_USER']}:{rabbit_env['RABBITMQ_DEFAULT_PASS']}"
             "@rabbitmq:5672/"
         )
+
+
+# -- the demo producer ------------------------------------------------------------------------
+
+def producer_module() -> Any:
+    """deploy/demo/producer.py, imported from its file (it is mounted, not installed)."""
+    spec = importlib.util.spec_from_file_location("demo_producer", PRODUCER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_producer_runs_the_mounted_demo_script(services: dict[str, dict[str, Any]]) -> None:
+    producer = services["producer"]
+    assert producer["build"] == "."
+    assert producer["image"] == "outbox-relay:dev"
+    command = _command(producer)
+    assert command[0] == "python"
+    mounts = [volume.split(":") for volume in producer["volumes"]]
+    assert mounts == [["./deploy/demo", "/demo", "ro"]]
+    script = Path(command[1])
+    assert script.parent == Path("/demo")
+    assert (ROOT / "deploy" / "demo" / script.name) == PRODUCER and PRODUCER.is_file()
+    assert producer["stop_signal"] == "SIGTERM"
+    assert producer["restart"] == "on-failure"
+    assert producer["depends_on"] == {
+        "migrate": {"condition": "service_completed_successfully"},
+        "rabbitmq": {"condition": "service_healthy"},
+    }
+
+
+def test_producer_environment_is_its_settings_and_matches_the_relay(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    module = producer_module()
+    by_env = {option.env: option for option in module.OPTIONS}
+    env = _environment(services["producer"])
+    for key, value in env.items():
+        assert key in by_env, f"producer: {key} is not read by {PRODUCER.name}"
+        by_env[key].parse(value)
+    args = module.build_parser().parse_args(_command(services["producer"])[2:])
+    values = config.resolve(args, module.OPTIONS, environ=env)
+    relay = _settings(services["relay"])
+    for key in ("database_url", "amqp_url", "table"):
+        assert values[key] == relay[key], key
+    # The relay publishes mandatory: an event to an exchange without a bound queue fails.
+    assert values["exchange"] and values["queue"]
+
+
+def test_producer_help_names_every_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    module = producer_module()
+    with pytest.raises(SystemExit) as exit_info:
+        module.build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in module.OPTIONS:
+        assert option.flag in text and f"env {option.env}" in text
 
 
 # -- Prometheus -----------------------------------------------------------------------------
@@ -379,3 +441,66 @@ def test_dockerfile_runs_either_program() -> None:
     assert exposed == defaults == {9460, 9461}
     env = " ".join(rest for keyword, rest in stage if keyword == "ENV")
     assert "PYTHONUNBUFFERED=1" in env
+
+
+# -- Grafana ----------------------------------------------------------------------------------
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-relay.json"
+
+
+def readme_metrics() -> set[str]:
+    text = (ROOT / "README.md").read_text("utf-8")
+    return set(re.findall(r"^\| `(outbox_[a-z_]+)(?:\{[a-z_,]+\})?` \|", text, re.M))
+
+
+def test_dashboard_is_built_on_the_documented_metrics_only() -> None:
+    board = json.loads(DASHBOARD.read_text("utf-8"))
+    used: set[str] = set()
+    for panel in board["panels"]:
+        assert panel["description"], panel["title"]
+        for target in panel["targets"]:
+            names = re.findall(r"\b(outbox_[a-z_]+)", target["expr"])
+            used |= {re.sub(r"_(bucket|count|sum)$", "", name) for name in names}
+    documented = readme_metrics()
+    assert len(documented) > 15
+    assert used <= documented, used - documented
+    # The operator's questions of the issue each have a panel.
+    for name in ("outbox_relay_events_published_total", "outbox_relay_lag_seconds",
+                 "outbox_relay_backlog_events", "outbox_relay_batch_duration_seconds",
+                 "outbox_relay_publish_failures_total", "outbox_relay_dead_lettered_total",
+                 "outbox_relay_reconnects_total", "outbox_prepared_transactions",
+                 "outbox_prepared_oldest_age_seconds", "outbox_resolver_decisions_total",
+                 "outbox_prepared_holding_vacuum_age_seconds",
+                 "outbox_xmin_horizon_age_transactions"):
+        assert name in used, name
+
+
+def test_dashboard_panels_have_unique_ids_and_do_not_overlap() -> None:
+    panels = json.loads(DASHBOARD.read_text("utf-8"))["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_grafana_provisions_the_dashboard_and_the_prometheus_datasource(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    import yaml  # Grafana's own files are not kept to the subset load_yaml reads
+    providers = yaml.safe_load((provisioning / "dashboards" / "outbox.yml").read_text("utf-8"))
+    (provider,) = providers["providers"]
+    mounts = dict(volume.rsplit(":", 1)[0].split(":", 1) for volume in services["grafana"]["volumes"])
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert Path(mounts["./deploy/grafana/outbox-relay.json"]).parent == Path(
+        provider["options"]["path"])
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text("utf-8"))
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +110,79 @@ def test_setup_installs_one_handler_with_the_format(root_logging: logging.Logger
     assert isinstance(root_logging.handlers[0].formatter, formatter)
     assert root_logging.level == logging.DEBUG
     assert logging.getLogger("pika").level == logging.CRITICAL
+
+
+# -- never a password ---------------------------------------------------------------------------
+
+PW = "p@ss:w#rd?x"  # libpq takes an unencoded @, :, # or ? in a password (not a /)
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("cannot connect: postgresql://app:hunter2@db:5432/x failed",
+     "cannot connect: postgresql://app:***@db:5432/x failed"),
+    ("amqps://relay:s3cr3t%40x@rabbit:5671/%2F", "amqps://relay:***@rabbit:5671/%2F"),
+    ("url amqp://u:a@b@host/vh", "url amqp://u:***@host/vh"),  # an unencoded @ in it
+    ("host=db user=app password=hunter2 dbname=x", "host=db user=app password=*** dbname=x"),
+    (r"password = 'it\'s secret' sslmode=require", "password = *** sslmode=require"),
+    ("PASSWORD=abc", "PASSWORD=***"),
+    ("postgresql://app@db/x and amqp://guest@h/", "postgresql://app@db/x and amqp://guest@h/"),
+    ("gid outbox:00000abc:12 batch_size=500", "gid outbox:00000abc:12 batch_size=500"),
+])
+def test_redact_masks_passwords_and_nothing_else(text: str, shown: str) -> None:
+    assert logs.redact(text) == shown
+
+
+def test_json_line_masks_passwords_everywhere_and_stays_json() -> None:
+    secret_url = 'postgresql://app:s3"cr}t@db/x'
+    try:
+        raise RuntimeError(f"boom: {secret_url}")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    rec = logging.getLogger("psycopg").makeRecord(
+        "psycopg", logging.ERROR, __file__, 1, "failed: %s password=%s", (secret_url, 's3"cr}t'),
+        exc_info, extra={"action": "x", "url": secret_url, "obj": {secret_url}})
+    line = JsonFormatter().format(rec)
+
+    assert 's3\\"cr}t' not in line and "s3" not in line
+    parsed = json.loads(line)
+    assert parsed["message"] == "failed: postgresql://app:***@db/x password=***"
+    assert parsed["url"] == "postgresql://app:***@db/x"
+    assert parsed["obj"] == "{'postgresql://app:***@db/x'}"
+    assert "postgresql://app:***@db/x" in parsed["exception"]
+
+
+def test_text_line_masks_passwords() -> None:
+    text = TextFormatter().format(record("connect to %s", f"amqp://relay:{PW}@h/%2F",
+                                         extra={"action": "x", "url": f"amqp://relay:{PW}@h/"}))
+    assert "ss:w" not in text
+    assert text.count("amqp://relay:***@h/") == 2
+
+
+# -- the README's list of actions is the code's --------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_actions() -> set[str]:
+    found: set[str] = set()
+    for path in [*ROOT.joinpath("relay").glob("*.py"), *ROOT.joinpath("resolver").glob("*.py")]:
+        text = path.read_text("utf-8")
+        found |= set(re.findall(r'"action": "([a-z_]+)"', text))
+        # The two f-string families, one action per outcome.
+        if 'f"batch_{outcome}"' in text:
+            found |= {"batch_committed", "batch_rolled_back"}
+        if 'f"resolved_{outcome}"' in text:
+            found |= {"resolved_committed", "resolved_rolled_back", "resolved_already_finished"}
+    return found
+
+
+def readme_actions() -> set[str]:
+    text = (ROOT / "README.md").read_text("utf-8").split("### Logs", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for row in rows[1:] for name in re.findall(r"`([a-z_]+)`", row)}  # [0]: header
+
+
+def test_readme_lists_exactly_the_actions_the_programs_log() -> None:
+    code = code_actions()
+    assert len(code) > 20
+    assert code == readme_actions()

@@ -1,0 +1,228 @@
+"""Least privilege, for real: sql/roles.sql applied with psql, then migrate, a producer, the relay,
+the resolver (a decision included) and the dead-letter command each run as the role the README
+gives it, with RabbitMQ users limited to the documented permissions. And what does not work: a
+resolver logged in as another role cannot finish the relays' batches (PostgreSQL allows COMMIT
+PREPARED only to the preparing role or a superuser), so it says so and leaves them alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psycopg
+import psycopg.errors
+import pytest
+from psycopg import sql
+
+from devenv import checker
+from devenv.servers import PostgresServer, RabbitServer
+from relay.queries import Tables
+from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
+from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
+
+ROLES_SQL = ROOT / "sql" / "roles.sql"
+
+
+def with_user(url: str, user: str, password: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest.rsplit('@', 1)[1]}"
+
+
+@pytest.fixture(scope="module")
+def rabbit(rabbit_server: RabbitServer | External) -> Iterator[RabbitServer]:
+    """A node whose users the test may manage: the session's own, or one of this module's."""
+    if isinstance(rabbit_server, RabbitServer):
+        yield rabbit_server
+        return
+    with RabbitServer() as own:
+        yield own
+
+
+@pytest.fixture
+def renv(pg_server: PostgresServer | External, rabbit: RabbitServer) -> Iterator[Env]:
+    e = make_env(server_url(pg_server), rabbit.url, tag="g")
+    yield e
+    finish_env(e)
+
+
+def psql(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("psql")
+    assert binary, "psql not found: install Debian's postgresql-client (./dev installs postgresql)"
+    return subprocess.run([binary, url, "-X", "-q", *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.fixture
+def roles(renv: Env) -> Iterator[dict[str, str]]:
+    """sql/roles.sql applied for this test's table; {role kind: PostgreSQL URL as that role}."""
+    prefix = f"r{renv.gid_prefix}"
+    result = psql(renv.db_url, "-v", f"table={renv.table}", "-v", f"roles={prefix}",
+                  "-f", str(ROLES_SQL))
+    assert result.returncode == 0, result.stderr
+    again = psql(renv.db_url, "-v", f"table={renv.table}", "-v", f"roles={prefix}",
+                 "-f", str(ROLES_SQL))
+    assert again.returncode == 0, again.stderr  # idempotent
+    urls = {}
+    with renv.connect() as admin:
+        # The service: a role of its own that is granted the producer role.
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+            sql.Identifier(f"{prefix}_service"), sql.Identifier(f"{prefix}_producer")))
+        for kind in ("migrate", "relay", "operator", "service"):
+            password = secrets.token_hex(8)  # the server may check passwords, or trust
+            admin.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                sql.Identifier(f"{prefix}_{kind}"), sql.Literal(password)))
+            urls[kind] = with_user(renv.db_url, f"{prefix}_{kind}", password)
+    try:
+        yield urls
+    finally:
+        with renv.connect() as admin:
+            for gid in in_doubt(renv):  # prepared as a role that is about to go
+                admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+            for kind in ("migrate", "relay", "operator", "producer", "service"):
+                role = sql.Identifier(f"{prefix}_{kind}")
+                admin.execute(sql.SQL("REASSIGN OWNED BY {} TO CURRENT_USER").format(role))
+                admin.execute(sql.SQL("DROP OWNED BY {}").format(role))
+                admin.execute(sql.SQL("DROP ROLE {}").format(role))
+
+
+@pytest.fixture
+def amqp_users(renv: Env, rabbit: RabbitServer) -> Iterator[dict[str, str]]:
+    """RabbitMQ users with the README's permissions; {program: AMQP URL as that user}."""
+    ledger, exchange = re.escape(renv.ledger_stream), re.escape(renv.exchange)
+    permissions = {  # configure, write, read
+        "relay": (f"^{ledger}$", rf"^(amq\.default|{exchange})$", "^$"),
+        "resolver": (f"^{ledger}$", r"^amq\.default$", f"^{ledger}$"),
+    }
+    urls = {}
+    for program, (configure, write, read) in permissions.items():
+        user, password = f"{renv.gid_prefix}-{program}", secrets.token_hex(8)
+        rabbit.ctl("add_user", user, password)
+        rabbit.ctl("set_permissions", "-p", "/", user, configure, write, read)
+        urls[program] = with_user(rabbit.url, user, password)
+    try:
+        yield urls
+    finally:
+        for program in permissions:
+            rabbit.ctl("delete_user", f"{renv.gid_prefix}-{program}")
+
+
+def run_cli(env: Env, program: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", program, *args], env=env.cli_env(**extra),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+
+
+def refused(url: str, statement: sql.Composable) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        try:
+            conn.execute(statement)
+        except psycopg.errors.InsufficientPrivilege:
+            return True
+    return False
+
+
+def test_each_program_works_as_its_least_privileged_role(
+        renv: Env, roles: dict[str, str], amqp_users: dict[str, str]) -> None:
+    env = renv
+    tables = Tables(env.table)
+    relay_env = {"OUTBOX_DATABASE_URL": roles["relay"], "OUTBOX_AMQP_URL": amqp_users["relay"],
+                 "OUTBOX_BATCH_SIZE": "20", "OUTBOX_MAX_ATTEMPTS": "2"}
+    resolver_env = {"OUTBOX_DATABASE_URL": roles["relay"],
+                    "OUTBOX_AMQP_URL": amqp_users["resolver"]}
+
+    # The migrate role owns the tables now: it applies the schema (idempotent) on its own.
+    migrated = run_cli(env, "relay", "migrate", OUTBOX_DATABASE_URL=roles["migrate"])
+    assert migrated.returncode == 0, migrated.stderr
+
+    # The service inserts events with nothing but its producer grant.
+    # An exchange that exists but the relay's user may not write to.
+    conn, channel = env.amqp_channel()
+    channel.exchange_declare(env.exchange + ".forbidden", exchange_type="topic")
+    conn.close()
+    with psycopg.connect(roles["service"], autocommit=True) as service:
+        produced = checker.insert_events(service, env.table, 100, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+        service.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload, "
+                                "headers) VALUES ('bad-headers', %s, 'k', '{{}}', '[1]'), "
+                                "('no-exchange', %s, 'k', '{{}}', '{{}}'), "
+                                "('forbidden', %s, 'k', '{{}}', '{{}}')").format(tables.outbox),
+                        (env.exchange, env.exchange + ".missing", env.exchange + ".forbidden"))
+
+    # A relay dies after the ledger record of its first batch ...
+    crashed = env.spawn("relay", OUTBOX_TEST_CRASH_AT="after_ledger", **relay_env)
+    assert crashed.wait(60) == -signal.SIGKILL, log_of(crashed)
+    (gid,) = in_doubt(env)
+
+    # ... a resolver logged in as another role may not finish it, says so, and leaves it ...
+    other = run_cli(env, "resolver", "--once", OUTBOX_LOG_FORMAT="json",
+                    OUTBOX_DATABASE_URL=roles["operator"], OUTBOX_AMQP_URL=amqp_users["resolver"])
+    assert other.returncode == 0, other.stderr
+    lines = [json.loads(line) for line in other.stderr.splitlines()]
+    (warning,) = [line for line in lines if line["action"] == "not_owner"]
+    assert warning["gid"] == gid and warning["owner"] == f"r{env.gid_prefix}_relay"
+    assert in_doubt(env) == [gid]
+
+    # ... and the resolver as the relays' role commits it (its ledger record is there).
+    resolver = run_cli(env, "resolver", "--once", **resolver_env)
+    assert resolver.returncode == 0, resolver.stderr
+    assert "in-doubt batch committed" in resolver.stderr, resolver.stderr
+    assert in_doubt(env) == []
+
+    # The relay publishes the rest, retries and dead-letters the three bad rows.
+    relay = env.spawn("relay", **relay_env)
+    wait_until(lambda: outbox_count(env) == 0, 60, "the relay to empty the outbox")
+    assert stop(relay) == 0, log_of(relay)
+    for text in (log_of(relay), log_of(crashed)):
+        assert "permission denied" not in text, text  # PostgreSQL's refusal
+
+    # The operator lists and requeues dead letters.
+    listed = run_cli(env, "relay", "dead-letter", "list", "--json",
+                     OUTBOX_DATABASE_URL=roles["operator"])
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["message_id"]: row for row in json.loads(listed.stdout)}
+    dead = {message_id: row["id"] for message_id, row in rows.items()}
+    assert set(dead) == {"bad-headers", "no-exchange", "forbidden"}
+    # A publish without write permission closes the channel; retried alone, the row is named.
+    assert "ACCESS_REFUSED" in rows["forbidden"]["last_error"], rows["forbidden"]
+    requeued = run_cli(env, "relay", "dead-letter", "requeue", "--id", str(dead["no-exchange"]),
+                       OUTBOX_DATABASE_URL=roles["operator"])
+    assert requeued.returncode == 0, requeued.stderr
+    assert "requeued 1 dead letter" in requeued.stdout
+    assert outbox_count(env) == 1
+
+    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
+    with env.connect() as admin:
+        # The poison rows are not among the produced events: out of the count.
+        admin.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))
+        admin.execute(sql.SQL("DELETE FROM {}").format(tables.dead_letter))
+        report = checker.check(produced, deliveries, conn=admin, table=env.table,
+                               gid_prefix=env.gid_prefix)
+    # The batch whose channel the broker closed may have delivered rows it did not confirm.
+    assert report.ok(max_duplicates=20), report.summary()
+
+    # Least: each role is refused what it does not need.
+    for kind, statement in (
+        ("relay", sql.SQL("SELECT * FROM {}").format(tables.dead_letter)),
+        ("relay", sql.SQL("INSERT INTO {} (routing_key, payload) VALUES ('k', '{{}}')")
+         .format(tables.outbox)),
+        ("operator", sql.SQL("DELETE FROM {}").format(tables.outbox)),
+        ("service", sql.SQL("SELECT * FROM {}").format(tables.outbox)),
+        ("service", sql.SQL("DELETE FROM {}").format(tables.outbox)),
+    ):
+        assert refused(roles[kind], statement), f"{kind} may {statement.as_string(None)}"
+
+
+def test_roles_sql_refuses_to_run_before_migrate(renv: Env) -> None:
+    result = psql(renv.db_url, "-v", "table=never_migrated", "-v", f"roles=r{renv.gid_prefix}",
+                  "-f", str(ROLES_SQL))
+    assert result.returncode != 0
+    assert "run `outbox-relay migrate` first" in result.stderr
+    with renv.connect() as admin:
+        row = admin.execute("SELECT count(*) FROM pg_roles WHERE starts_with(rolname, %s)",
+                            (f"r{renv.gid_prefix}_",)).fetchone()
+    assert row == (0,)

@@ -1,0 +1,59 @@
+"""How the resolver turns the xmin-horizon holders into its two VACUUM metrics (no servers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from relay import store
+from relay.config import ResolverSettings
+from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
+from relay.store import HorizonHolder
+from resolver.worker import Resolver
+
+
+def observe(monkeypatch: pytest.MonkeyPatch, holders: dict[str, HorizonHolder]) -> ResolverMetrics:
+    metrics = ResolverMetrics()
+    resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
+                                         amqp_url="amqp://x@h/%2F"), metrics=metrics)
+    seen: list[str] = []
+
+    def fake(_conn: Any, prefix: str) -> dict[str, HorizonHolder]:
+        seen.append(prefix)
+        return dict(holders)
+
+    monkeypatch.setattr(store, "xmin_horizon", fake)
+    resolver._observe_horizon(None)  # type: ignore[arg-type]
+    assert seen == ["outbox"]
+    return metrics
+
+
+def value(metrics: ResolverMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_every_holder_is_exported_zero_when_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    metrics = observe(monkeypatch, {"session": HorizonHolder(12, None)})
+    ages = {h: value(metrics, "outbox_xmin_horizon_age_transactions", holder=h)
+            for h in HORIZON_HOLDERS}
+    assert ages == {"outbox_prepared": 0, "other_prepared": 0, "session": 12,
+                    "replication_slot": 0}
+    assert value(metrics, "outbox_prepared_holding_vacuum_age_seconds") == 0
+
+
+@pytest.mark.parametrize(("others", "held"), [
+    ({}, 42.5),                                              # nothing else holds anything
+    ({"session": HorizonHolder(7, None)}, 42.5),             # a tie: a snapshot taken after ours
+    ({"session": HorizonHolder(3, None),
+      "replication_slot": HorizonHolder(6, None)}, 42.5),    # everything else is younger
+    ({"session": HorizonHolder(8, None)}, 0),                # an older snapshot holds it
+    ({"other_prepared": HorizonHolder(900, 3600.0)}, 0),     # someone else's prepared xact
+    ({"replication_slot": HorizonHolder(8, None)}, 0),       # a slot
+])
+def test_our_batch_is_reported_only_while_it_holds_the_horizon(
+    monkeypatch: pytest.MonkeyPatch, others: dict[str, HorizonHolder], held: float
+) -> None:
+    metrics = observe(monkeypatch, {"outbox_prepared": HorizonHolder(7, 42.5), **others})
+    assert value(metrics, "outbox_prepared_holding_vacuum_age_seconds") == held
+    assert value(metrics, "outbox_xmin_horizon_age_transactions", holder="outbox_prepared") == 7

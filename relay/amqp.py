@@ -102,7 +102,8 @@ def close(conn: Any, timeout: float) -> None:
             impl._terminate_stream(pika.exceptions.StreamLostError("closed by the relay"))
             _poll(impl, lambda: bool(impl.is_closed), 1.0)
     except Exception:  # the connection is being dropped: nothing here is worth raising
-        log.debug("error while closing a RabbitMQ connection", exc_info=True)
+        log.debug("error while closing a RabbitMQ connection", exc_info=True,
+                  extra={"action": "amqp_close_failed"})
 
 
 def _poll(impl: Any, done: Callable[[], bool], timeout: float) -> None:

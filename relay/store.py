@@ -78,10 +78,16 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
 
 
 def is_connection_error(exc: BaseException) -> bool:
-    """True for errors that mean the session is gone (retry on a new connection)."""
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and not isinstance(
-        exc, psycopg.errors.QueryCanceled
-    )
+    """True for errors that mean the session is gone (retry on a new connection).
+
+    psycopg raises OperationalError for more than that (class 53, e.g. "maximum number of
+    prepared transactions reached"): those come with a SQLSTATE from a live session.
+    """
+    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = getattr(exc, "sqlstate", None)
+    # None: raised by the client (socket gone); 08: connection exception; 57P: server shutdown.
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
 def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) -> None:

@@ -138,7 +138,12 @@ class Relay:
         # before PREPARE: its reply can be lost after the server prepared the transaction.
         self._unfinished = (gid, False)
         self._unfinished_size = len(rows)
-        self.store.prepare(gid)
+        try:
+            self.store.prepare(gid)
+        except Exception as exc:
+            if not is_connection_error(exc):
+                self._unfinished = None  # refused (e.g. out of slots): certainly not prepared
+            raise
         self.fault("after_prepare")
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once.

@@ -663,6 +663,24 @@ def test_batch_prepared_when_the_connection_dropped_is_finished_after_reconnecti
     assert sorted(rig.store.rows) == [1, 2]
 
 
+def test_prepare_refused_by_the_server_leaves_nothing_to_finish(rig: Rig) -> None:
+    """E.g. max_prepared_transactions reached: nothing was prepared, so no ROLLBACK PREPARED
+    (and no "finished elsewhere") follows; the open claim is rolled back and the rows stay."""
+    rig.store.add_many(2)
+    rig.store.fail("prepare", psycopg.errors.OutOfMemory("maximum number of prepared "
+                                                         "transactions reached"), disconnect=False)
+    with pytest.raises(psycopg.Error):
+        rig.relay.run_batch()
+
+    assert rig.relay._unfinished is None
+    rig.relay._connection_fault(psycopg.errors.OutOfMemory("again"))
+    rig.relay._ensure_connected()
+
+    assert rig.store.called("finish") == []
+    assert rig.batches("finished_elsewhere") == 0
+    assert sorted(rig.store.rows) == [1, 2]
+
+
 # -- crash points -----------------------------------------------------------------------------
 
 

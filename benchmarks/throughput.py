@@ -1,0 +1,102 @@
+"""Relay throughput from a pre-filled outbox, with N relay processes.
+
+Each process runs the relay's own protocol loop (``Relay.run_batch``: claim, PREPARE, publish
+with pipelined confirms, ledger record, COMMIT PREPARED) until the outbox is empty. Processes
+connect first and wait at a start line, so the figure is claim-to-committed of every event, not
+interpreter start-up. The plain-commit variant swaps in ``PlainCommitStore`` (below): the same
+loop with BEGIN ... COMMIT, to price the two-phase commit. It exists only in this benchmark.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.workload import Servers, check_exactly_once, prefill, reset
+from relay.config import RelaySettings
+from relay.publisher import AmqpPublisher
+from relay.store import OutboxStore
+from relay.worker import Relay
+
+_SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's peak RSS is its own
+
+
+class PlainCommitStore(OutboxStore):
+    """Benchmark only: the claim is committed with a plain COMMIT after the ledger record.
+
+    The claim transaction stays open while the batch is published (no PREPARE), and a failed
+    batch is rolled back: the loop is otherwise the relay's own. Never a production option:
+    a crash of the relay would lose nothing but a crash of PostgreSQL in the window would.
+    """
+
+    def prepare(self, gid: str) -> None:
+        pass
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        self.conn.execute("COMMIT" if commit else "ROLLBACK")
+        return True
+
+
+@dataclass
+class RelayRun:
+    events: int
+    processes: int
+    seconds: float
+    peak_rss_mb: list[float]
+    cpu_seconds: dict[str, float]  # relay (all processes), postgresql, rabbitmq
+
+    @property
+    def rate(self) -> float:
+        return self.events / self.seconds
+
+
+def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, done: Any) -> None:
+    store = (PlainCommitStore if plain else OutboxStore)(settings.database_url, settings.table)
+    publisher = AmqpPublisher(settings.amqp_url, ledger_stream=settings.ledger_stream,
+                              ledger_max_age=settings.ledger_max_age,
+                              confirm_timeout=settings.confirm_timeout,
+                              connect_timeout=settings.connect_timeout)
+    relay = Relay(settings, store, publisher)
+    relay._ensure_connected()
+    ready.release()
+    go.wait()
+    cpu = time.process_time()
+    # Until a claim finds nothing: the outbox is empty or its last rows are another's batch.
+    while relay.run_batch():
+        pass
+    finished, cpu = time.monotonic(), time.process_time() - cpu
+    relay.close()
+    done.put((finished, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+
+
+def relay_run(servers: Servers, events: int, processes: int, *, batch_size: int,
+              plain: bool = False, tag: str) -> RelayRun:
+    """Relay ``events`` pre-filled events with ``processes`` relays; checked exactly once."""
+    reset(servers)
+    produced = prefill(servers.db_url, events, tag)
+    settings = RelaySettings(database_url=servers.db_url, amqp_url=servers.amqp_url,
+                             batch_size=batch_size, metrics_port=0)
+    ready, go, done = _SPAWN.Semaphore(0), _SPAWN.Event(), _SPAWN.Queue()
+    procs = [_SPAWN.Process(target=_relay_process, args=(settings, plain, ready, go, done))
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        if not ready.acquire(timeout=60):
+            raise RuntimeError("a relay process did not connect within 60 s")
+    meter = servers.cpu_meter()
+    meter.start()
+    started = time.monotonic()
+    go.set()
+    results = [done.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"relay process exited with {proc.exitcode}")
+    cpu = {"relay": round(sum(c for _f, c, _r in results), 3), **meter.stop()}
+    seconds = max(finished for finished, _c, _r in results) - started
+    check_exactly_once(servers, produced, f"relay x{processes}{' plain' if plain else ''}")
+    return RelayRun(events, processes, seconds, [round(rss, 1) for _f, _c, rss in results], cpu)

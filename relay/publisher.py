@@ -8,6 +8,7 @@ flight at once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -177,26 +178,25 @@ class AmqpPublisher:
             return self._result
         half = len(messages) // 2
         try:
-            for index, message in enumerate(messages):
-                if index == half:
-                    self._flush()
-                    self._fault("mid_publish")
-                self._publish(message.exchange, message.routing_key, message.body,
-                              message.properties, message.row_id)
+            self._publish_all(messages[:half])
+            self._flush()
+            self._fault("mid_publish")
+            self._publish_all(messages[half:])
             self._wait_for_confirms()
         except amqp.CONNECTION_ERRORS as exc:
             self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
         self._settle_unconfirmed()
         return self._result
 
-    def _publish(self, exchange: str, routing_key: str, body: bytes, properties: Any,
-                 row_id: int) -> None:
+    def _publish_all(self, messages: Sequence[Message]) -> None:
         if self._closed_reason is not None:
             return  # the broker closed the channel; the rest stays unconfirmed
-        self._channel.basic_publish(exchange=exchange, routing_key=routing_key, body=body,
-                                    properties=properties, mandatory=True)
-        self._pending[self._next_tag] = row_id
-        self._next_tag += 1
+        with amqp.coalesced_writes(self._conn):
+            for m in messages:
+                self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
+                                            body=m.body, properties=m.properties, mandatory=True)
+                self._pending[self._next_tag] = m.row_id
+                self._next_tag += 1
 
     def _wait_for_confirms(self) -> None:
         self._pump_until(lambda: not self._pending or self._closed_reason is not None,
@@ -244,8 +244,11 @@ class AmqpPublisher:
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
-        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else (
-            [method.delivery_tag] if method.delivery_tag in self._pending else [])
+        if method.multiple:
+            # Tags are pending in publishing order: the acked ones are a prefix.
+            tags = list(itertools.takewhile(lambda t: t <= method.delivery_tag, self._pending))
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in self._pending else []
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for tag in tags:
             row_id = self._pending.pop(tag)

@@ -41,11 +41,11 @@ class Program:
         return self.proc.pid
 
     def rss_mb(self) -> float:
-        return _status_kb(self.pid, "VmRSS") / 1024
+        return status_kb(self.pid, "VmRSS") / 1024
 
     def peak_rss_mb(self) -> float:
         """The kernel's high-water mark of this process's resident memory."""
-        return _status_kb(self.pid, "VmHWM") / 1024
+        return status_kb(self.pid, "VmHWM") / 1024
 
     def log_field(self, action: str, field: str, timeout: float = 20.0) -> str:
         """A field of the first JSON log line with ``action`` (waits for it to be written)."""
@@ -78,7 +78,8 @@ def resolver(servers: Servers, logdir: Path, name: str = "resolver", **settings:
     return Program("resolver", servers, logdir, name, **settings)
 
 
-def _status_kb(pid: int, key: str) -> int:
+def status_kb(pid: int, key: str) -> int:
+    """A field of /proc/<pid>/status, in kB (VmRSS: resident now, VmHWM: its peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])

@@ -10,34 +10,64 @@ loop with BEGIN ... COMMIT, to price the two-phase commit. It exists only in thi
 from __future__ import annotations
 
 import multiprocessing as mp
-import resource
+import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
+from benchmarks import processes
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from relay.config import RelaySettings
 from relay.publisher import AmqpPublisher
-from relay.store import OutboxStore
+from relay.store import OutboxRow, OutboxStore, connect
 from relay.worker import Relay
 
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's peak RSS is its own
 
 
 class PlainCommitStore(OutboxStore):
-    """Benchmark only: the claim is committed with a plain COMMIT after the ledger record.
+    """Benchmark only: each claim is committed with a plain COMMIT after its ledger record.
 
-    The claim transaction stays open while the batch is published (no PREPARE), and a failed
-    batch is rolled back: the loop is otherwise the relay's own. Never a production option:
-    a crash of the relay would lose nothing but a crash of PostgreSQL in the window would.
+    No PREPARE: a batch's claim transaction stays open while it is published, and the relay
+    claims the next batch meanwhile, so claims alternate between two sessions; COMMIT (or
+    ROLLBACK) ends the oldest open one. The loop is otherwise the relay's own. Never a
+    production option: a crash of the relay mid-batch would lose no row, but nothing would
+    tell a restarted relay what the broker already has.
     """
+
+    def connect(self, lock_class: int, instance: int) -> None:
+        super().connect(lock_class, instance)
+        self._sessions = [self.claim_conn, connect(self._url, timeout=10,
+                                                   application_name="outbox-bench-plain")]
+        self._open: deque[psycopg.Connection[Any]] = deque()
+
+    @property
+    def claim_conn(self) -> psycopg.Connection[Any]:
+        """The session of the latest claim (before connect() finishes: the store's own)."""
+        return self._open[-1] if getattr(self, "_open", None) else super().claim_conn
+
+    def claim(self, limit: int) -> list[OutboxRow]:
+        self._open.append(next(c for c in self._sessions if c not in self._open))
+        return super().claim(limit)
+
+    def rollback(self) -> None:
+        self._open.pop().execute("ROLLBACK")
 
     def prepare(self, gid: str) -> None:
         pass
 
     def finish(self, gid: str, *, commit: bool) -> bool:
-        self.conn.execute("COMMIT" if commit else "ROLLBACK")
+        self._open.popleft().execute("COMMIT" if commit else "ROLLBACK")
         return True
+
+    def close(self) -> None:
+        for session in getattr(self, "_sessions", []):
+            session.close()
+        self._sessions, self._open = [], deque()
+        super().close()
 
 
 @dataclass
@@ -69,7 +99,8 @@ def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, do
         pass
     finished, cpu = time.monotonic(), time.process_time() - cpu
     relay.close()
-    done.put((finished, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.
+    done.put((finished, cpu, processes.status_kb(os.getpid(), "VmHWM") / 1024))
 
 
 def relay_run(servers: Servers, events: int, processes: int, *, batch_size: int,

@@ -1,9 +1,9 @@
 """Step 3 and 4 of the protocol: publish a batch with pipelined confirms, then the ledger record.
 
 pika's BlockingChannel waits one round trip per confirmed publish. This publisher drives the
-channel's asynchronous core instead: it writes every message of the batch, then pumps the
-connection until each delivery tag is acked, nacked or returned, so the whole batch is in
-flight at once.
+channel's asynchronous core instead: it writes every message of the batch (in one socket
+write), then pumps the connection until each delivery tag is acked, nacked or returned, so the
+whole batch is in flight at once.
 """
 
 from __future__ import annotations
@@ -167,8 +167,13 @@ class AmqpPublisher:
                 raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
         return missing
 
-    def publish_batch(self, messages: Sequence[Message]) -> PublishResult:
-        """Publish every message persistent + mandatory and wait for all their confirms."""
+    def publish_batch(self, messages: Sequence[Message],
+                      while_waiting: Callable[[], None] | None = None) -> PublishResult:
+        """Publish every message persistent + mandatory and wait for all their confirms.
+
+        ``while_waiting`` runs once every message is on its way and before the wait: the
+        relay claims its next batch there, while the broker works on this one.
+        """
         self._result = PublishResult()
         self._pending.clear()
         self._by_message_id = {m.message_id: m.row_id for m in messages}
@@ -182,6 +187,9 @@ class AmqpPublisher:
             self._flush()
             self._fault("mid_publish")
             self._publish_all(messages[half:])
+            if while_waiting is not None and self._closed_reason is None:
+                self._flush()  # the broker gets the batch before we turn to something else
+                while_waiting()
             self._wait_for_confirms()
         except amqp.CONNECTION_ERRORS as exc:
             self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"

@@ -118,11 +118,15 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
         for size in args.batch_sizes} for n in (1, 4)}
 
     ceilings: list[ceiling.CeilingRun] = []
+    parallel: dict[int, list[ceiling.CeilingRun]] = {2: [], 4: []}
     relays: dict[int, list[throughput.RelayRun]] = {1: [], 2: [], 4: []}
     plains: list[throughput.RelayRun] = []
     for r in range(args.rounds):
-        say(f"round {r + 1}/{args.rounds}: ceiling (window {best}), relay x1 x2 x4, plain COMMIT")
+        say(f"round {r + 1}/{args.rounds}: ceiling x1 x2 x4 (window {best}), relay x1 x2 x4, "
+            "plain COMMIT")
         ceilings.append(ceiling.publish_rate(servers, args.events, best))
+        for n in parallel:
+            parallel[n].append(ceiling.parallel_rate(servers, args.events, best, n))
         for n in relays:
             relays[n].append(throughput.relay_run(servers, args.events, n,
                                                   batch_size=args.batch_size, tag=f"r{r}x{n}"))
@@ -148,7 +152,9 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
     results: dict[str, Any] = {
         "ceiling": {**_median_entry(ceilings, "publisher"), "window": best,
                     "window_sweep": {str(w): round(v) for w, v in window_sweep.items()},
-                    "pika_frame_by_frame_at_best_window": round(pika_writes.rate)},
+                    "pika_frame_by_frame_at_best_window": round(pika_writes.rate),
+                    "publishers": {str(n): _median_entry(runs, "publisher")
+                                   for n, runs in parallel.items()}},
         "relay": {str(n): _median_entry(runs, "relay") for n, runs in relays.items()},
         "plain_commit": _median_entry(plains, "relay"),
         "batch_sweep": batch_sweep,

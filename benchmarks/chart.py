@@ -22,19 +22,31 @@ def draw_run(results: dict[str, Any], path: Path) -> None:
     (thr, lat), (batch, window) = axes
     ceiling = results["ceiling"]["median"]
 
-    names = ["ceiling", "relay x1", "relay x2", "relay x4", "plain COMMIT x1"]
-    values = [ceiling, *(results["relay"][n]["median"] for n in ("1", "2", "4")),
-              results["plain_commit"]["median"]]
-    bars = thr.bar(names, values, color=["#777", "#1f77b4", "#1f77b4", "#1f77b4", "#ff7f0e"])
-    for bar, value in zip(bars, values, strict=True):
-        thr.annotate(f"{value:,.0f}\n{value / ceiling:.2f}x", (bar.get_x() + bar.get_width() / 2,
-                     value), ha="center", va="bottom", fontsize=8)
+    counts = ("1", "2", "4")
+    bare = [ceiling, *(results["ceiling"]["publishers"][n]["median"] for n in counts[1:])]
+    relays = [results["relay"][n]["median"] for n in counts]
+    plain = results["plain_commit"]["median"]
+    width = 0.38
+    groups = [thr.bar([i - width / 2 for i in range(3)], bare, width, color="#999",
+                      label="bare pika publishers (ceiling: 1)"),
+              thr.bar([i + width / 2 for i in range(3)], relays, width, color="#1f77b4",
+                      label="relay processes (2PC)"),
+              thr.bar([3 + width / 2], [plain], width, color="#ff7f0e",
+                      label="relay, plain COMMIT")]
+    for group in groups:
+        for bar in group:
+            value = bar.get_height()
+            thr.annotate(f"{value:,.0f}\n{value / ceiling:.2f}x",
+                         (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                         fontsize=7)
     thr.axhline(ceiling, color="#777", linestyle="--", linewidth=1)
+    thr.set_xticks(range(4), ["x1", "x2", "x4", "x1"])
+    thr.set_xlabel("processes")
     thr.set_ylabel("events/s (median of rounds)")
     thr.set_title(f"Throughput, {results['settings']['events']:,} events, "
                   f"batch {results['settings']['batch_size']}")
-    thr.set_ylim(0, max(values) * 1.25)
-    thr.tick_params(axis="x", labelsize=8)
+    thr.set_ylim(0, max(*bare, *relays, plain) * 1.3)
+    thr.legend(fontsize=7, loc="upper left")
 
     runs = results["latency"]
     width = 0.25

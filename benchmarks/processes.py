@@ -8,14 +8,20 @@ benchmark reads the relay's instance id from its start-up line).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from benchmarks.cpu import CpuMeter
 from benchmarks.workload import Servers
+
+_SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is its own
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,3 +90,28 @@ def status_kb(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def run_together(target: Callable[..., None], arguments: list[tuple[Any, ...]],
+                 meter: CpuMeter) -> tuple[float, list[Any]]:
+    """One spawned process per argument tuple, all let go at once; their start time and results.
+
+    ``target(*arguments, ready, go, done)`` connects, releases ``ready``, waits for ``go``,
+    works, and puts its result on ``done``: connecting and interpreter start-up are not timed.
+    """
+    ready, go, done = _SPAWN.Semaphore(0), _SPAWN.Event(), _SPAWN.Queue()
+    procs = [_SPAWN.Process(target=target, args=(*args, ready, go, done)) for args in arguments]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        if not ready.acquire(timeout=60):
+            raise RuntimeError(f"a {target.__name__} process did not connect within 60 s")
+    meter.start()
+    started = time.monotonic()
+    go.set()
+    results = [done.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"a {target.__name__} process exited with {proc.exitcode}")
+    return started, results

@@ -24,6 +24,7 @@ def figures(results: dict[str, Any]) -> dict[str, float]:
         "relay_1_vs_ceiling": relay["1"]["median"] / ceiling,
         "relay_2_vs_ceiling": relay["2"]["median"] / ceiling,
         "relay_4_vs_ceiling": relay["4"]["median"] / ceiling,
+        "publishers_4_vs_ceiling": results["ceiling"]["publishers"]["4"]["median"] / ceiling,
         "2pc_vs_plain_commit": relay["1"]["median"] / results["plain_commit"]["median"],
         "relay_peak_rss_mb": max(
             [r["peak_rss_mb"] for r in relay.values()]
@@ -66,6 +67,8 @@ def table(results: dict[str, Any]) -> str:
                      f"{_cores(cpu, seconds, 'postgresql'):>11}{_cores(cpu, seconds, 'rabbitmq'):>9}")
 
     row(f"ceiling (window {ceiling['window']})", ceiling, "publisher")
+    for n, entry in ceiling["publishers"].items():
+        row(f"  {n} bare publishers at once", entry, "publisher")
     for n in ("1", "2", "4"):
         row(f"relay x{n}", results["relay"][n], "relay")
     row("relay x1, plain COMMIT", results["plain_commit"], "relay")

@@ -9,7 +9,6 @@ loop with BEGIN ... COMMIT, to price the two-phase commit. It exists only in thi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from collections import deque
@@ -18,14 +17,12 @@ from typing import Any
 
 import psycopg
 
-from benchmarks import processes
+from benchmarks.processes import run_together, status_kb
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from relay.config import RelaySettings
 from relay.publisher import AmqpPublisher
 from relay.store import OutboxRow, OutboxStore, connect
 from relay.worker import Relay
-
-_SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's peak RSS is its own
 
 
 class PlainCommitStore(OutboxStore):
@@ -100,7 +97,7 @@ def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, do
     finished, cpu = time.monotonic(), time.process_time() - cpu
     relay.close()
     # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.
-    done.put((finished, cpu, processes.status_kb(os.getpid(), "VmHWM") / 1024))
+    done.put((finished, cpu, status_kb(os.getpid(), "VmHWM") / 1024))
 
 
 def relay_run(servers: Servers, events: int, processes: int, *, batch_size: int,
@@ -110,23 +107,8 @@ def relay_run(servers: Servers, events: int, processes: int, *, batch_size: int,
     produced = prefill(servers.db_url, events, tag)
     settings = RelaySettings(database_url=servers.db_url, amqp_url=servers.amqp_url,
                              batch_size=batch_size, metrics_port=0)
-    ready, go, done = _SPAWN.Semaphore(0), _SPAWN.Event(), _SPAWN.Queue()
-    procs = [_SPAWN.Process(target=_relay_process, args=(settings, plain, ready, go, done))
-             for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        if not ready.acquire(timeout=60):
-            raise RuntimeError("a relay process did not connect within 60 s")
     meter = servers.cpu_meter()
-    meter.start()
-    started = time.monotonic()
-    go.set()
-    results = [done.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join(30)
-        if proc.exitcode != 0:
-            raise RuntimeError(f"relay process exited with {proc.exitcode}")
+    started, results = run_together(_relay_process, [(settings, plain)] * processes, meter)
     cpu = {"relay": round(sum(c for _f, c, _r in results), 3), **meter.stop()}
     seconds = max(finished for finished, _c, _r in results) - started
     check_exactly_once(servers, produced, f"relay x{processes}{' plain' if plain else ''}")

@@ -26,6 +26,8 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 
     assert figures["ceiling"]["median"] > 0
     assert str(figures["ceiling"]["window"]) in figures["ceiling"]["window_sweep"]
+    assert set(figures["ceiling"]["publishers"]) == {"2", "4"}
+    assert all(p["median"] > 0 for p in figures["ceiling"]["publishers"].values())
     for count in ("1", "2", "4"):
         relay = figures["relay"][count]
         assert relay["median"] > 0

@@ -74,25 +74,20 @@ def insert_events(
     keys: int = 16,
     start: int = 0,
     per_transaction: int = 1000,
-    pad: int = 160,
 ) -> list[str]:
-    """Insert ``count`` events the way a producer would (plain INSERTs); returns their ids.
-
-    ``pad`` sets the payload size: its JSON text is about ``pad + 40`` bytes.
-    """
+    """Insert ``count`` events the way a producer would (plain INSERTs); returns their ids."""
     outbox = Tables(table).outbox
     query = sql.SQL(
         "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
         "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing_key)s, 'k' || (n %% %(keys)s), "
-        "jsonb_build_object('key', 'k' || (n %% %(keys)s), 'seq', n, 'pad', repeat('x', %(pad)s)) "
+        "jsonb_build_object('key', 'k' || (n %% %(keys)s), 'seq', n, 'pad', repeat('x', 160)) "
         "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n"
     ).format(outbox)
     for lo in range(start, start + count, per_transaction):
         hi = min(lo + per_transaction, start + count) - 1
         with conn.transaction():
             conn.execute(query, {"prefix": prefix, "exchange": exchange,
-                                 "routing_key": routing_key, "keys": keys, "lo": lo, "hi": hi,
-                                 "pad": pad})
+                                 "routing_key": routing_key, "keys": keys, "lo": lo, "hi": hi})
     return [f"{prefix}-{n}" for n in range(start, start + count)]
 
 

@@ -15,6 +15,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+import pika.exceptions
+
+from relay.amqp import CONNECTION_ERRORS
 from relay.errors import TransientError
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,23 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
                     f"ledger marker did not come back within {timeout:g} s; cannot decide")
             conn.process_data_events(time_limit=min(remaining, 0.25))
     finally:
+        _stop_reading(channel, tag)
+    return gids
+
+
+def _stop_reading(channel: Any, tag: str) -> None:
+    """Cancel the stream consumer; a broker that closes the connection over it is no error.
+
+    pika rejects (requeues) the deliveries of a consumer it is cancelling that it has not yet
+    dispatched, and a stream answers basic.reject by closing the whole connection (540
+    NOT_IMPLEMENTED): likely while relays keep appending. Once the marker is seen the read is
+    complete all the same; the caller finds its connection closed and opens a new one.
+    Without the marker, the error that ended the read is the one that propagates.
+    """
+    try:
         if channel.is_open:
             channel.basic_cancel(tag)
             channel.close()
-    return gids
+    except (pika.exceptions.AMQPError, *CONNECTION_ERRORS) as exc:
+        log.debug("ledger consumer ended by the broker: %r", exc,
+                  extra={"action": "ledger_read_closed"})

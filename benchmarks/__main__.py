@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ceiling, latency, recovery, report, soak, throughput
+from benchmarks import ceiling, latency, profile, recovery, report, soak, throughput
 from benchmarks.workload import Servers, declare_sink
 from devenv.servers import PostgresServer, RabbitServer
 from relay.config import RelaySettings
@@ -60,10 +60,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--latency-seconds", type=float, default=20.0, help="measured seconds per load")
     add("--latency-warmup", type=float, default=3.0, help="seconds relayed but not counted")
     add("--recovery-trials", type=int, default=3)
+    add("--profile", action="store_true",
+        help="also run relay x1 under py-spy and report where its time goes")
     add("--soak", type=float, metavar="SECONDS",
         help="run only the memory soak for SECONDS (e.g. 600)")
     add("--soak-rate", type=int, default=2000, help="offered load of the soak, events/s")
+    add("--sink-queues", type=int, default=1,
+        help="spread the events over this many queues by routing key (default: one queue)")
     add("--smoke", action="store_true", help="tiny sizes everywhere: seconds, for CI")
+    add("--redraw", type=Path, metavar="JSON", help="only draw the chart of an earlier run")
     add("--out", type=Path, help="JSON results (default: results/bench.json or soak.json)")
     add("--chart", type=Path, help="PNG chart (default: next to --out); 'none' for no chart")
     args = parser.parse_args(argv)
@@ -75,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default = Path("results") / ("soak.json" if args.soak else "bench.json")
     args.out = args.out or default
     if args.chart is None:
-        args.chart = args.out.with_suffix(".png")
+        args.chart = (args.redraw or args.out).with_suffix(".png")
     elif str(args.chart) == "none":
         args.chart = None
     return args
@@ -133,6 +138,14 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
         plains.append(throughput.relay_run(servers, args.events, 1, batch_size=args.batch_size,
                                            plain=True, tag=f"r{r}plain"))
 
+    profiled: dict[str, float] | None = None
+    if args.profile:
+        say("relay x1 under py-spy")
+        recorder = profile.Profiler(logdir / "relay.pyspy")
+        throughput.relay_run(servers, args.events, 1, batch_size=args.batch_size, tag="profile",
+                             profiler=recorder)
+        profiled = profile.phases(recorder.stop())
+
     latency_runs = []
     for rate in args.latency_rates:
         say(f"latency at {rate:,} events/s for {args.latency_seconds:g} s")
@@ -162,6 +175,7 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
         "recovery": {"trials": [vars(t) for t in trials], "seconds": seconds,
                      "median_s": sorted(seconds)[(len(seconds) - 1) // 2] if seconds else None,
                      "max_s": max(seconds) if seconds else None},
+        "profile_relay_1_percent": profiled,
         "exactly_once": "checked after every relay, latency and recovery run",
     }
     return results
@@ -171,8 +185,19 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
+def redraw(json_path: Path, png: Path) -> None:
+    """Draw the chart of an earlier run from its JSON (the soak's or the benchmark's)."""
+    from benchmarks import chart
+
+    results = json.loads(json_path.read_text())
+    (chart.draw_soak if "samples" in results else chart.draw_run)(results, png)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.redraw:
+        redraw(args.redraw, args.chart or args.redraw.with_suffix(".png"))
+        return 0
     load = os.getloadavg()
     started = time.time()
     with ExitStack() as stack:
@@ -180,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         pg = stack.enter_context(PostgresServer(max_prepared_transactions=16))
         rabbit = stack.enter_context(RabbitServer())
         migrate(pg.url, "outbox")
-        declare_sink(rabbit.url)
-        servers = Servers(pg.url, rabbit.url, pg.pids, rabbit.pids)
+        declare_sink(rabbit.url, args.sink_queues)
+        servers = Servers(pg.url, rabbit.url, pg.pids, rabbit.pids, args.sink_queues)
         logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-bench-")))
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "chart")}
         if args.soak:

@@ -20,7 +20,7 @@ import pika.spec
 
 from benchmarks import processes
 from benchmarks.cpu import CpuMeter
-from benchmarks.workload import CEILING_BODY, EXCHANGE, ROUTING_KEY, Servers, purge_sink
+from benchmarks.workload import CEILING_BODY, EXCHANGE, ROUTING_PREFIX, Servers, purge_sink
 from relay import amqp
 
 
@@ -59,7 +59,8 @@ class _Publisher:
     def _on_return(self, *_args: Any) -> None:
         self.state["returned"] += 1
 
-    def run(self, count: int, window: int, *, coalesce: bool = True, tag: str = "c") -> None:
+    def run(self, count: int, window: int, *, queues: int = 1, coalesce: bool = True,
+            tag: str = "c") -> None:
         state, sent = self.state, 0
         while state["confirmed"] < count:
             # The relay's own way of writing a batch: one write, not a send() per frame.
@@ -69,8 +70,8 @@ class _Publisher:
                     props = pika.BasicProperties(delivery_mode=2, content_type="application/json",
                                                  message_id=f"{tag}-{sent}",
                                                  timestamp=int(time.time()))
-                    self.channel.basic_publish(EXCHANGE, ROUTING_KEY, CEILING_BODY, props,
-                                               mandatory=True)
+                    self.channel.basic_publish(EXCHANGE, f"{ROUTING_PREFIX}{sent % queues}",
+                                               CEILING_BODY, props, mandatory=True)
             # Refill once half the window is back (or wait for the last confirm).
             state["low_water"] = sent if sent == count else sent - window // 2
             amqp.pump(self.conn, lambda: state["confirmed"] >= state["low_water"], 60)
@@ -88,13 +89,13 @@ def publish_rate(servers: Servers, count: int, window: int, *, coalesce: bool = 
 
     ``coalesce=False`` lets pika write frame by frame (a send() each), as it does by default.
     """
-    purge_sink(servers.amqp_url)
+    purge_sink(servers)
     meter = CpuMeter({"rabbitmq": servers.rabbitmq_pids})
     publisher = _Publisher(servers.amqp_url)
     try:
         meter.start()
         cpu_start, started = time.process_time(), time.perf_counter()
-        publisher.run(count, window, coalesce=coalesce)
+        publisher.run(count, window, queues=servers.sink_queues, coalesce=coalesce)
         seconds = time.perf_counter() - started
         cpu = {"publisher": round(time.process_time() - cpu_start, 3), **meter.stop()}
     finally:
@@ -102,24 +103,25 @@ def publish_rate(servers: Servers, count: int, window: int, *, coalesce: bool = 
     return CeilingRun(count, window, seconds, cpu)
 
 
-def _publisher_process(amqp_url: str, count: int, window: int, tag: str, ready: Any, go: Any,
-                       done: Any) -> None:
+def _publisher_process(amqp_url: str, count: int, window: int, queues: int, tag: str,
+                       ready: Any, go: Any, done: Any) -> None:
     publisher = _Publisher(amqp_url)
     ready.release()
     go.wait()
     cpu = time.process_time()
-    publisher.run(count, window, tag=tag)
+    publisher.run(count, window, queues=queues, tag=tag)
     done.put((time.monotonic(), time.process_time() - cpu))
     publisher.close()
 
 
 def parallel_rate(servers: Servers, count: int, window: int, publishers: int) -> CeilingRun:
     """``publishers`` processes publish ``count`` messages between them into the same queue."""
-    purge_sink(servers.amqp_url)
+    purge_sink(servers)
     meter = CpuMeter({"rabbitmq": servers.rabbitmq_pids})
     share = count // publishers
     started, results = processes.run_together(
-        _publisher_process, [(servers.amqp_url, share, window, f"p{i}") for i in range(publishers)],
+        _publisher_process,
+        [(servers.amqp_url, share, window, servers.sink_queues, f"p{i}") for i in range(publishers)],
         meter)
     cpu = {"publisher": round(sum(c for _t, c in results), 3), **meter.stop()}
     return CeilingRun(share * publishers, window, max(t for t, _c in results) - started, cpu)

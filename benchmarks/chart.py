@@ -96,7 +96,7 @@ def draw_soak(results: dict[str, Any], path: Path) -> None:
     minutes = [s["t"] / 60 for s in samples]
     mem.plot(minutes, [s["relay_rss_mb"] for s in samples], label="relay")
     mem.plot(minutes, [s["resolver_rss_mb"] for s in samples], label="resolver")
-    mem.set_ylim(0, max(100.0, max(s["relay_rss_mb"] for s in samples) * 1.2))
+    mem.set_ylim(0, max(120.0, max(s["relay_rss_mb"] for s in samples) * 1.2))
     mem.axhline(100, color="#c33", linestyle="--", linewidth=1, label="target 100 MB")
     mem.set_xlabel("minutes")
     mem.set_ylabel("RSS, MB")

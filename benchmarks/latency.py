@@ -50,12 +50,12 @@ def measure(servers: Servers, rate: int, seconds: float, warmup: float, logdir: 
             **relay_settings: str) -> LatencyRun:
     reset(servers)
     prefix = f"lat{rate}"
-    consumer = Consumer(servers.amqp_url, prefix)
+    consumer = Consumer(servers, prefix)
     relay = processes.relay(servers, logdir, f"latency-{rate}", **relay_settings)
     try:
         relay.log_field("relay_started", "instance")
         time.sleep(0.5)  # connected and polling
-        produced = Producer(servers.db_url, prefix, rate, warmup + seconds).result()
+        produced = Producer(servers, prefix, rate, warmup + seconds).result()
         received = consumer.wait_for(range(produced.count), timeout=60)
         peak = relay.peak_rss_mb()
     finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu import CpuMeter
+from benchmarks.profile import Profiler
 from benchmarks.workload import Servers
 
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is its own
@@ -93,7 +94,7 @@ def status_kb(pid: int, key: str) -> int:
 
 
 def run_together(target: Callable[..., None], arguments: list[tuple[Any, ...]],
-                 meter: CpuMeter) -> tuple[float, list[Any]]:
+                 meter: CpuMeter, profiler: Profiler | None = None) -> tuple[float, list[Any]]:
     """One spawned process per argument tuple, all let go at once; their start time and results.
 
     ``target(*arguments, ready, go, done)`` connects, releases ``ready``, waits for ``go``,
@@ -106,6 +107,8 @@ def run_together(target: Callable[..., None], arguments: list[tuple[Any, ...]],
     for _ in procs:
         if not ready.acquire(timeout=60):
             raise RuntimeError(f"a {target.__name__} process did not connect within 60 s")
+    if profiler is not None:
+        profiler.start([proc.pid for proc in procs if proc.pid is not None])
     meter.start()
     started = time.monotonic()
     go.set()

@@ -46,7 +46,7 @@ def trial(servers: Servers, logdir: Path, number: int, *, crash_after: int = 20,
     """One kill and its recovery; None if the resolver finished the batch before it was read."""
     reset(servers)
     prefix = f"rec{number}"
-    consumer = Consumer(servers.amqp_url, prefix)
+    consumer = Consumer(servers, prefix)
     programs = [processes.resolver(servers, logdir, f"recovery-{number}-resolver"),
                 processes.relay(servers, logdir, f"recovery-{number}-survivor")]
     victim = processes.relay(servers, logdir, f"recovery-{number}-victim",
@@ -56,7 +56,7 @@ def trial(servers: Servers, logdir: Path, number: int, *, crash_after: int = 20,
     try:
         instance = victim.log_field("relay_started", "instance")
         programs[1].log_field("relay_started", "instance")
-        producer = Producer(servers.db_url, prefix, RATE, produce_seconds)
+        producer = Producer(servers, prefix, RATE, produce_seconds)
         victim.proc.wait(timeout=produce_seconds)
         killed_at = time.monotonic()
         held = _held_sequences(servers.db_url, instance, prefix)

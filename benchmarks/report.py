@@ -86,6 +86,11 @@ def table(results: dict[str, Any]) -> str:
             f"{size}: {rate:,.0f}" for size, rate in sweep.items()))
     lines.append("ceiling window sweep: " + ", ".join(
         f"{w}: {rate:,.0f}" for w, rate in ceiling["window_sweep"].items()))
+    profiled = results.get("profile_relay_1_percent")
+    if profiled:
+        lines.append(f"relay x1 under py-spy, share of the loop's {profiled['samples']:,} samples:")
+        lines.extend(f"  {label:36}{share:5.1f} %" for label, share in profiled.items()
+                     if label != "samples")
     lines.append("")
     for target in results["targets"]:
         mark = {True: "met   ", False: "MISSED", None: "n/a   "}[target["met"]]

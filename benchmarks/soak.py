@@ -36,14 +36,14 @@ def slope_mb_per_hour(samples: list[tuple[float, float]]) -> float:
 def run(servers: Servers, seconds: float, rate: int, logdir: Path,
         sample_every: float = 5.0) -> dict[str, Any]:
     reset(servers)
-    consumer = Consumer(servers.amqp_url, "soak")
+    consumer = Consumer(servers, "soak")
     resolver = processes.resolver(servers, logdir, "soak-resolver")
     relay = processes.relay(servers, logdir, "soak-relay")
     samples: list[tuple[float, float, float]] = []
     try:
         relay.log_field("relay_started", "instance")
         resolver.log_field("resolver_started", "action")
-        producer = Producer(servers.db_url, "soak", rate, seconds)
+        producer = Producer(servers, "soak", rate, seconds)
         started = time.monotonic()
         while (elapsed := time.monotonic() - started) < seconds:
             samples.append((round(elapsed, 1), round(relay.rss_mb(), 2),

@@ -18,20 +18,11 @@ from typing import Any
 
 import pika
 import psycopg
-from psycopg import sql
 
-from benchmarks.workload import EXCHANGE, PAD, QUEUE, ROUTING_KEY, TABLE, DeliveryError, outbox_rows
+from benchmarks.workload import DeliveryError, Servers, insert_events, outbox_rows, queue_names
 
 TICK = 0.005
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: no inherited state, honest memory
-
-_INSERT = sql.SQL(
-    "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
-    "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing_key)s, 'k' || (n %% 16), "
-    "jsonb_build_object('key', 'k' || (n %% 16), 'seq', n, 'pad', repeat('x', %(pad)s)) "
-    "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n"
-).format(sql.Identifier(TABLE))
-
 
 @dataclass
 class Produced:
@@ -44,7 +35,8 @@ class Produced:
         return len(self.commit_at)
 
 
-def _produce(db_url: str, prefix: str, rate: float, seconds: float, out: Connection) -> None:
+def _produce(db_url: str, prefix: str, rate: float, seconds: float, queues: int,
+             out: Connection) -> None:
     commit_at = array("d")
     with psycopg.connect(db_url, autocommit=True) as conn:
         out.send("ready")
@@ -55,9 +47,7 @@ def _produce(db_url: str, prefix: str, rate: float, seconds: float, out: Connect
             if due > len(commit_at):
                 lo = len(commit_at)
                 # Autocommit: this one statement is the transaction; it has committed on return.
-                conn.execute(_INSERT, {"prefix": prefix, "exchange": EXCHANGE,
-                                       "routing_key": ROUTING_KEY, "pad": PAD, "lo": lo,
-                                       "hi": due - 1})
+                insert_events(conn, prefix, lo, due - 1, queues)
                 committed = time.monotonic()
                 commit_at.extend([committed] * (due - lo))
             tick += 1
@@ -68,10 +58,10 @@ def _produce(db_url: str, prefix: str, rate: float, seconds: float, out: Connect
 class Producer:
     """Offers ``rate`` events/s for ``seconds``; ids are ``<prefix>-<seq>``."""
 
-    def __init__(self, db_url: str, prefix: str, rate: float, seconds: float) -> None:
+    def __init__(self, servers: Servers, prefix: str, rate: float, seconds: float) -> None:
         self._pipe, child = _SPAWN.Pipe()
-        self._proc = _SPAWN.Process(target=_produce, args=(db_url, prefix, rate, seconds, child),
-                                    daemon=True)
+        self._proc = _SPAWN.Process(target=_produce, args=(servers.db_url, prefix, rate, seconds,
+                                                           servers.sink_queues, child), daemon=True)
         self._proc.start()
         if self._pipe.recv() != "ready":
             raise RuntimeError("producer failed to start")
@@ -102,7 +92,7 @@ class Received:
                                 f"{self.unexpected} unexpected, {outbox_rows(db_url)} left")
 
 
-def _consume(amqp_url: str, prefix: str, ctrl: Connection) -> None:
+def _consume(amqp_url: str, queues: list[str], prefix: str, ctrl: Connection) -> None:
     arrived = array("d")
     counts = {"duplicates": 0, "unexpected": 0}
     head = prefix + "-"
@@ -124,7 +114,8 @@ def _consume(amqp_url: str, prefix: str, ctrl: Connection) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
     channel = conn.channel()
     channel.basic_qos(prefetch_count=1000)
-    channel.basic_consume(QUEUE, on_message, auto_ack=True)
+    for queue in queues:
+        channel.basic_consume(queue, on_message, auto_ack=True)
     ctrl.send("ready")
     while True:
         conn.process_data_events(time_limit=0.01)
@@ -139,9 +130,11 @@ def _consume(amqp_url: str, prefix: str, ctrl: Connection) -> None:
 class Consumer:
     """Consumes the sink (auto-ack) and times every ``<prefix>-<seq>`` arrival."""
 
-    def __init__(self, amqp_url: str, prefix: str) -> None:
+    def __init__(self, servers: Servers, prefix: str) -> None:
         self._pipe, child = _SPAWN.Pipe()
-        self._proc = _SPAWN.Process(target=_consume, args=(amqp_url, prefix, child), daemon=True)
+        self._proc = _SPAWN.Process(
+            target=_consume, args=(servers.amqp_url, queue_names(servers.sink_queues), prefix, child),
+            daemon=True)
         self._proc.start()
         if self._pipe.recv() != "ready":
             raise RuntimeError("consumer failed to start")

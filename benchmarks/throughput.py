@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 
 from benchmarks.processes import run_together, status_kb
+from benchmarks.profile import Profiler
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from relay.config import RelaySettings
 from relay.publisher import AmqpPublisher
@@ -101,14 +102,15 @@ def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, do
 
 
 def relay_run(servers: Servers, events: int, processes: int, *, batch_size: int,
-              plain: bool = False, tag: str) -> RelayRun:
+              plain: bool = False, tag: str, profiler: Profiler | None = None) -> RelayRun:
     """Relay ``events`` pre-filled events with ``processes`` relays; checked exactly once."""
     reset(servers)
-    produced = prefill(servers.db_url, events, tag)
+    produced = prefill(servers, events, tag)
     settings = RelaySettings(database_url=servers.db_url, amqp_url=servers.amqp_url,
                              batch_size=batch_size, metrics_port=0)
     meter = servers.cpu_meter()
-    started, results = run_together(_relay_process, [(settings, plain)] * processes, meter)
+    started, results = run_together(_relay_process, [(settings, plain)] * processes, meter,
+                                    profiler)
     cpu = {"relay": round(sum(c for _f, c, _r in results), 3), **meter.stop()}
     seconds = max(finished for finished, _c, _r in results) - started
     check_exactly_once(servers, produced, f"relay x{processes}{' plain' if plain else ''}")

@@ -1,6 +1,7 @@
-"""The benchmark command runs end to end in its smoke size (about half a minute), so it cannot rot.
+"""The benchmark command runs end to end in its smoke size (about 40 s), so it cannot rot.
 
-matplotlib is installed by ./dev with the test extra, so the chart is drawn here too.
+The bench extra (matplotlib, py-spy) is installed by ./dev with the test extra, so the chart is
+drawn and the relay profiled here too.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_benchmark_smoke(tmp_path: Path) -> None:
     out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out), "--chart", str(chart)],
+        # Two sink queues: the general path (one queue is the same code with n = 1).
+        [sys.executable, "-m", "benchmarks", "--smoke", "--sink-queues", "2", "--profile",
+         "--out", str(out), "--chart", str(chart)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
+    assert figures["settings"]["sink_queues"] == 2
 
     assert figures["ceiling"]["median"] > 0
     assert str(figures["ceiling"]["window"]) in figures["ceiling"]["window_sweep"]
@@ -45,6 +49,8 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert [t["met"] for t in figures["targets"]].count(None) == 0
     assert len(figures["targets"]) == len(report.TARGETS)
     assert "recovery after SIGKILL" in result.stdout
+    profiled = figures["profile_relay_1_percent"]
+    assert profiled["samples"] > 0 and 0 < profiled["3 wait for the confirms"] <= 100
     assert chart.read_bytes().startswith(PNG_MAGIC)
 
 

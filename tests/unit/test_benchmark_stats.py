@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.latency import latencies_ms, percentile
+from benchmarks.profile import phases
 from benchmarks.soak import slope_mb_per_hour
 
 
@@ -30,3 +31,22 @@ def test_slope_of_flat_and_growing_memory() -> None:
     growing = [(float(t), 40.0 + t / 3600) for t in range(0, 600, 5)]  # 1 MB an hour
     assert slope_mb_per_hour(growing) == pytest.approx(1.0)
     assert slope_mb_per_hour([(0.0, 1.0)]) == 0.0
+
+
+def test_profile_phases_are_shares_of_the_relay_loop() -> None:
+    collapsed = "\n".join([
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);OutboxStore.claim (store.py:1) 30",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);AmqpPublisher.publish_batch (p.py:1);"
+        "AmqpPublisher._wait_for_confirms (p.py:2);pump (amqp.py:1) 60",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);OutboxStore.finish (store.py:2) 10",
+        "<module> (a.py:1);Relay.close (worker.py:9) 500",  # outside the loop: not counted
+        "not a sample line",
+    ])
+    shares = phases(collapsed)
+    assert shares["samples"] == 100
+    assert shares["1 claim"] == 30.0
+    assert shares["3 wait for the confirms"] == 60.0
+    assert shares["5 COMMIT PREPARED"] == 10.0
+    assert shares["2 PREPARE TRANSACTION"] == 0.0
+    with pytest.raises(RuntimeError):
+        phases("<module> (a.py:1) 5")

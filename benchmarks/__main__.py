@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ceiling, latency, profile, recovery, report, soak, throughput
+from benchmarks.processes import ROOT
 from benchmarks.workload import Servers, declare_sink
 from devenv.servers import PostgresServer, RabbitServer
 from relay.config import RelaySettings
@@ -96,6 +98,16 @@ def machine(load: tuple[float, float, float]) -> dict[str, Any]:
     return {"summary": summary, "cores": os.cpu_count(), "cpu": cpu,
             "python": platform.python_version(), "kernel": platform.release(),
             "load_average_at_start": [round(x, 2) for x in load]}
+
+
+def code_version() -> str:
+    """The commit the run measured, marked dirty if the work tree had changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                              check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _median_entry(runs: list[Any], python_cpu: str) -> dict[str, Any]:
@@ -217,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             results["figures"] = report.figures(results)
             results["targets"] = report.check_targets(results["figures"])
     results = {"command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
-               "machine": machine(load), "settings": settings,
+               "code": code_version(), "machine": machine(load), "settings": settings,
                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                "elapsed_s": round(time.time() - started), **results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

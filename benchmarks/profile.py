@@ -15,15 +15,15 @@ from collections import Counter
 from pathlib import Path
 
 ANCHOR = "Relay.run_batch"
-PHASES = (  # label, function as py-spy names it
-    ("1 claim", "OutboxStore.claim"),
-    ("  build messages", "Relay._build"),
-    ("2 PREPARE TRANSACTION", "OutboxStore.prepare"),
-    ("3 write the batch", "AmqpPublisher._publish_all"),
-    ("  claim the next batch meanwhile", "Relay._claim_ahead"),
-    ("3 wait for the confirms", "AmqpPublisher._wait_for_confirms"),
-    ("4 ledger record and its confirm", "AmqpPublisher.record_batch"),
-    ("5 COMMIT PREPARED", "OutboxStore.finish"),
+PHASES = (  # label, function as py-spy names it, unless inside this one
+    ("1 claim (when none was made ahead)", "OutboxStore.claim", "Relay._claim_ahead"),
+    ("  build messages", "Relay._build", None),
+    ("2 PREPARE TRANSACTION", "OutboxStore.prepare", None),
+    ("3 write the batch", "AmqpPublisher._publish_all", None),
+    ("  claim the next batch meanwhile", "Relay._claim_ahead", None),
+    ("3 wait for the confirms", "AmqpPublisher._wait_for_confirms", None),
+    ("4 ledger record and its confirm", "AmqpPublisher.record_batch", None),
+    ("5 COMMIT PREPARED", "OutboxStore.finish", None),
 )
 
 
@@ -69,10 +69,10 @@ def phases(collapsed: str) -> dict[str, float]:
             continue
         samples = int(count)
         total += samples
-        for label, function in PHASES:
-            if f"{function} (" in stack:
+        for label, function, unless in PHASES:
+            if f"{function} (" in stack and not (unless and f"{unless} (" in stack):
                 inside[label] += samples
     if not total:
         raise RuntimeError("py-spy recorded no sample of the relay loop")
-    shares = {label: round(100 * inside[label] / total, 1) for label, _f in PHASES}
+    shares = {label: round(100 * inside[label] / total, 1) for label, _f, _u in PHASES}
     return {**shares, "samples": total}

@@ -39,14 +39,17 @@ def test_profile_phases_are_shares_of_the_relay_loop() -> None:
         "<module> (a.py:1);Relay.run_batch (worker.py:1);AmqpPublisher.publish_batch (p.py:1);"
         "AmqpPublisher._wait_for_confirms (p.py:2);pump (amqp.py:1) 60",
         "<module> (a.py:1);Relay.run_batch (worker.py:1);OutboxStore.finish (store.py:2) 10",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);AmqpPublisher.publish_batch (p.py:1);"
+        "Relay._claim_ahead (worker.py:5);OutboxStore.claim (store.py:1) 100",
         "<module> (a.py:1);Relay.close (worker.py:9) 500",  # outside the loop: not counted
         "not a sample line",
     ])
     shares = phases(collapsed)
-    assert shares["samples"] == 100
-    assert shares["1 claim"] == 30.0
-    assert shares["3 wait for the confirms"] == 60.0
-    assert shares["5 COMMIT PREPARED"] == 10.0
+    assert shares["samples"] == 200
+    assert shares["1 claim (when none was made ahead)"] == 15.0  # the claim ahead is apart
+    assert shares["  claim the next batch meanwhile"] == 50.0
+    assert shares["3 wait for the confirms"] == 30.0
+    assert shares["5 COMMIT PREPARED"] == 5.0
     assert shares["2 PREPARE TRANSACTION"] == 0.0
     with pytest.raises(RuntimeError):
         phases("<module> (a.py:1) 5")

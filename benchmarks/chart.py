@@ -43,10 +43,12 @@ def draw_run(results: dict[str, Any], path: Path) -> None:
     thr.set_xticks(range(4), ["x1", "x2", "x4", "x1"])
     thr.set_xlabel("processes")
     thr.set_ylabel("events/s (median of rounds)")
+    queues = results["settings"].get("sink_queues", 1)
     thr.set_title(f"Throughput, {results['settings']['events']:,} events, "
-                  f"batch {results['settings']['batch_size']}")
-    thr.set_ylim(0, max(*bare, *relays, plain) * 1.3)
-    thr.legend(fontsize=7, loc="upper left")
+                  f"batch {results['settings']['batch_size']}, "
+                  f"{queues} sink queue{'s' if queues > 1 else ''}")
+    thr.set_ylim(0, max(*bare, *relays, plain) * 1.55)  # room for the legend above the bars
+    thr.legend(fontsize=7, loc="upper right")
 
     runs = results["latency"]
     width = 0.25

@@ -1,177 +1,252 @@
-"""Throughput benchmark: ``python -m benchmarks [--events N]`` (first cut, see README).
+"""The benchmark: ``./dev bench`` (the same as ``python -m benchmarks``).
 
-In one run against the same PostgreSQL and RabbitMQ it measures:
+In one run, on a PostgreSQL and a RabbitMQ of its own, it measures:
 
-- ceiling: a bare pika publisher, same message size, persistent + mandatory, publisher
-  confirms pipelined in windows: the rate one Python process gets into this broker;
-- relay: events/s from a pre-filled outbox to committed, with 1, 2 and 4 relay processes;
-- 2PC cost: the same relay loop with a plain COMMIT instead of PREPARE / COMMIT PREPARED
-  (a store subclass that exists only here, never a production option).
+- ceiling: a bare pika publisher (same messages, persistent, mandatory, confirms), with the
+  best in-flight window of a sweep: the rate one Python process gets into this broker at all;
+- relay: events/s from a pre-filled outbox with 1, 2 and 4 relay processes, in rounds
+  interleaved with the ceiling (medians; the machine is shared, only ratios mean anything);
+- 2PC cost: the same loop with a plain COMMIT (a benchmark-only store, never an option);
+- batch size sweep (relay x1 and x4) and the ceiling's in-flight window sweep;
+- latency, producer COMMIT to consumer, at steady offered loads (the real relay program,
+  default settings, polling: no NOTIFY);
+- recovery: SIGKILL of a relay holding a prepared batch to that batch delivered (defaults);
+- peak RSS of every relay process; ``--soak SECONDS`` instead runs the memory soak.
 
-Every relay run is checked with the total-queue checker (nothing lost, no duplicates), so a
-fast wrong relay cannot look good. Results are printed and written as JSON.
+Every relay, latency and recovery run is checked: every event delivered exactly once.
+Writes JSON (``--out``) and a PNG chart (``--chart``, needs matplotlib: the ``bench`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import pika
-import psycopg
-
-from devenv import checker
+from benchmarks import ceiling, latency, profile, recovery, report, soak, throughput
+from benchmarks.processes import ROOT
+from benchmarks.workload import Servers, declare_sink
 from devenv.servers import PostgresServer, RabbitServer
 from relay.config import RelaySettings
 from relay.migrate import migrate
-from relay.publisher import AmqpPublisher
-from relay.store import OutboxStore
-from relay.worker import Relay
 
-EXCHANGE = "bench.events"
-QUEUE = "bench.sink"
-BODY = b'{"key": "k1", "seq": 1, "pad": "' + b"x" * 216 + b'"}'  # about 250 bytes
+DEFAULT_BATCH = RelaySettings(database_url="postgresql://", amqp_url="amqp://").batch_size
 
 
-class PlainCommitStore(OutboxStore):
-    """Benchmark only: the relay loop with a plain COMMIT, to price the two-phase commit."""
-
-    def prepare(self, gid: str) -> None:
-        pass  # the claim transaction stays open until finish()
-
-    def finish(self, gid: str, *, commit: bool) -> bool:
-        self.conn.execute("COMMIT" if commit else "ROLLBACK")
-        return True
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
 
 
-def ceiling(amqp_url: str, count: int, window: int) -> float:
-    """Bare pika: publish ``count`` messages, ``window`` confirms in flight, return msgs/s."""
-    from relay import amqp
-
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    channel = conn.channel()._impl
-    pending: set[int] = set()
-    ready: list[bool] = []
-
-    def on_confirm(frame: Any) -> None:
-        tag, multiple = frame.method.delivery_tag, frame.method.multiple
-        for t in [t for t in pending if t <= tag] if multiple else [tag]:
-            pending.discard(t)
-
-    channel.confirm_delivery(ack_nack_callback=on_confirm, callback=lambda _f: ready.append(True))
-    amqp.pump(conn, lambda: bool(ready), 10)
-    props = pika.BasicProperties(delivery_mode=2, content_type="application/json")
-    started = time.perf_counter()
-    tag = 0
-    while tag < count:
-        for _ in range(min(window, count - tag)):
-            tag += 1
-            props.message_id = f"ceiling-{tag}"
-            channel.basic_publish(EXCHANGE, "bench", BODY, props, mandatory=True)
-            pending.add(tag)
-        amqp.pump(conn, lambda: not pending, 60)
-    elapsed = time.perf_counter() - started
-    conn.close()
-    return count / elapsed
-
-
-def _relay_process(settings: RelaySettings, plain: bool, go: Any, ready: Any) -> None:
-    store_cls = PlainCommitStore if plain else OutboxStore
-    store = store_cls(settings.database_url, settings.table)
-    publisher = AmqpPublisher(settings.amqp_url, ledger_stream=settings.ledger_stream,
-                              ledger_max_age=settings.ledger_max_age,
-                              confirm_timeout=settings.confirm_timeout,
-                              connect_timeout=settings.connect_timeout)
-    relay = Relay(settings, store, publisher)
-    relay._ensure_connected()
-    ready.release()
-    go.wait()
-    while relay.run_batch():
-        pass
-    relay.close()
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--events", type=int, default=50_000, help="pre-filled events per throughput run")
+    add("--rounds", type=int, default=3, help="rounds of ceiling, relay x1/x2/x4, plain")
+    add("--batch-size", type=int, default=DEFAULT_BATCH,
+        help="relay batch size of the rounds (default: the relay's default)")
+    add("--windows", type=_ints, default=[100, 500, 1000, 2000, 5000],
+        help="ceiling in-flight windows to sweep")
+    add("--batch-sizes", type=_ints, default=[100, 250, 500, 1000, 2000, 4000],
+        help="relay batch sizes to sweep")
+    add("--sweep-events", type=int, default=20_000, help="events per sweep point")
+    add("--latency-rates", type=_ints, default=[500, 2000], help="offered loads, events/s")
+    add("--latency-seconds", type=float, default=20.0, help="measured seconds per load")
+    add("--latency-warmup", type=float, default=3.0, help="seconds relayed but not counted")
+    add("--recovery-trials", type=int, default=3)
+    add("--profile", action="store_true",
+        help="also run relay x1 under py-spy and report where its time goes")
+    add("--soak", type=float, metavar="SECONDS",
+        help="run only the memory soak for SECONDS (e.g. 600)")
+    add("--soak-rate", type=int, default=2000, help="offered load of the soak, events/s")
+    add("--sink-queues", type=int, default=1,
+        help="spread the events over this many queues by routing key (default: one queue)")
+    add("--smoke", action="store_true", help="tiny sizes everywhere: seconds, for CI")
+    add("--redraw", type=Path, metavar="JSON", help="only draw the chart of an earlier run")
+    add("--out", type=Path, help="JSON results (default: results/bench.json or soak.json)")
+    add("--chart", type=Path, help="PNG chart (default: next to --out); 'none' for no chart")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.events, args.rounds, args.sweep_events = 2000, 1, 1000
+        args.windows, args.batch_sizes = [100, 1000], [100, 500]
+        args.latency_rates, args.latency_seconds, args.latency_warmup = [500, 2000], 1.5, 0.5
+        args.recovery_trials = 1
+    default = Path("results") / ("soak.json" if args.soak else "bench.json")
+    args.out = args.out or default
+    if args.chart is None:
+        args.chart = (args.redraw or args.out).with_suffix(".png")
+    elif str(args.chart) == "none":
+        args.chart = None
+    return args
 
 
-def relay_rate(db_url: str, amqp_url: str, count: int, processes: int, *, plain: bool,
-               batch_size: int, tag: str) -> float:
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox")
-        produced = checker.insert_events(conn, "outbox", count, exchange=EXCHANGE,
-                                         routing_key="bench", prefix=tag, per_transaction=10_000)
-    settings = RelaySettings(database_url=db_url, amqp_url=amqp_url, batch_size=batch_size,
-                             metrics_port=0)
-    ctx = mp.get_context("fork")
-    go, ready = ctx.Event(), ctx.Semaphore(0)
-    procs = [ctx.Process(target=_relay_process, args=(settings, plain, go, ready))
-             for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.acquire()
-    started = time.perf_counter()
-    go.set()
-    for proc in procs:
-        proc.join()
-    elapsed = time.perf_counter() - started
-    deliveries = checker.drain(amqp_url, QUEUE, expected=set(produced), idle_timeout=1.0)
-    report = checker.check(produced, deliveries)
-    if report.lost or report.duplicates or report.unexpected:
-        raise SystemExit(f"relay run {tag} delivered wrongly: {report.summary()}")
-    return count / elapsed
+def machine(load: tuple[float, float, float]) -> dict[str, Any]:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    summary = f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+    return {"summary": summary, "cores": os.cpu_count(), "cpu": cpu,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "load_average_at_start": [round(x, 2) for x in load]}
+
+
+def code_version() -> str:
+    """The commit the run measured, marked dirty if the work tree had changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                              check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _median_entry(runs: list[Any], python_cpu: str) -> dict[str, Any]:
+    """The median round's figures (lower median for an even count), with every round's rate."""
+    ordered = sorted(runs, key=lambda r: r.rate)
+    mid = ordered[(len(ordered) - 1) // 2]
+    entry = {"median": round(mid.rate), "rounds": [round(r.rate) for r in runs],
+             "seconds": round(mid.seconds, 3), "cpu_seconds": mid.cpu_seconds}
+    if python_cpu == "relay":
+        entry["peak_rss_mb"] = max(max(r.peak_rss_mb) for r in runs)
+    return entry
+
+
+def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str, Any]:
+    say = _say
+    say(f"ceiling window sweep {args.windows} ({args.sweep_events:,} messages each)")
+    window_sweep = {w: ceiling.publish_rate(servers, args.sweep_events, w).rate
+                    for w in args.windows}
+    best = max(window_sweep, key=lambda w: window_sweep[w])
+    pika_writes = ceiling.publish_rate(servers, args.sweep_events, best, coalesce=False)
+
+    say(f"batch size sweep {args.batch_sizes}, relay x1 and x4")
+    batch_sweep = {str(n): {str(size): round(throughput.relay_run(
+        servers, args.sweep_events, n, batch_size=size, tag=f"sweep{n}-{size}").rate)
+        for size in args.batch_sizes} for n in (1, 4)}
+
+    ceilings: list[ceiling.CeilingRun] = []
+    parallel: dict[int, list[ceiling.CeilingRun]] = {2: [], 4: []}
+    relays: dict[int, list[throughput.RelayRun]] = {1: [], 2: [], 4: []}
+    plains: list[throughput.RelayRun] = []
+    for r in range(args.rounds):
+        say(f"round {r + 1}/{args.rounds}: ceiling x1 x2 x4 (window {best}), relay x1 x2 x4, "
+            "plain COMMIT")
+        ceilings.append(ceiling.publish_rate(servers, args.events, best))
+        for n in parallel:
+            parallel[n].append(ceiling.parallel_rate(servers, args.events, best, n))
+        for n in relays:
+            relays[n].append(throughput.relay_run(servers, args.events, n,
+                                                  batch_size=args.batch_size, tag=f"r{r}x{n}"))
+        plains.append(throughput.relay_run(servers, args.events, 1, batch_size=args.batch_size,
+                                           plain=True, tag=f"r{r}plain"))
+
+    profiled: dict[str, float] | None = None
+    if args.profile:
+        say("relay x1 under py-spy")
+        recorder = profile.Profiler(logdir / "relay.pyspy")
+        throughput.relay_run(servers, args.events, 1, batch_size=args.batch_size, tag="profile",
+                             profiler=recorder)
+        profiled = profile.phases(recorder.stop())
+
+    latency_runs = []
+    for rate in args.latency_rates:
+        say(f"latency at {rate:,} events/s for {args.latency_seconds:g} s")
+        latency_runs.append(latency.measure(servers, rate, args.latency_seconds,
+                                            args.latency_warmup, logdir).as_dict())
+
+    trials: list[recovery.RecoveryTrial] = []
+    attempts = 0
+    while len(trials) < args.recovery_trials and attempts < args.recovery_trials + 3:
+        attempts += 1
+        say(f"recovery trial {len(trials) + 1}/{args.recovery_trials}")
+        found = recovery.trial(servers, logdir, attempts)
+        if found is not None:
+            trials.append(found)
+    seconds = [t.seconds for t in trials]
+
+    results: dict[str, Any] = {
+        "ceiling": {**_median_entry(ceilings, "publisher"), "window": best,
+                    "window_sweep": {str(w): round(v) for w, v in window_sweep.items()},
+                    "pika_frame_by_frame_at_best_window": round(pika_writes.rate),
+                    "publishers": {str(n): _median_entry(runs, "publisher")
+                                   for n, runs in parallel.items()}},
+        "relay": {str(n): _median_entry(runs, "relay") for n, runs in relays.items()},
+        "plain_commit": _median_entry(plains, "relay"),
+        "batch_sweep": batch_sweep,
+        "latency": latency_runs,
+        "recovery": {"trials": [vars(t) for t in trials], "seconds": seconds,
+                     "median_s": sorted(seconds)[(len(seconds) - 1) // 2] if seconds else None,
+                     "max_s": max(seconds) if seconds else None},
+        "profile_relay_1_percent": profiled,
+        "exactly_once": "checked after every relay, latency and recovery run",
+    }
+    return results
+
+
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def redraw(json_path: Path, png: Path) -> None:
+    """Draw the chart of an earlier run from its JSON (the soak's or the benchmark's)."""
+    from benchmarks import chart
+
+    results = json.loads(json_path.read_text())
+    (chart.draw_soak if "samples" in results else chart.draw_run)(results, png)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--events", type=int, default=50_000)
-    parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--window", type=int, default=500, help="ceiling's confirms in flight")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results.json"))
-    args = parser.parse_args(argv)
-
+    args = parse_args(argv)
+    if args.redraw:
+        redraw(args.redraw, args.chart or args.redraw.with_suffix(".png"))
+        return 0
+    load = os.getloadavg()
+    started = time.time()
     with ExitStack() as stack:
-        pg = stack.enter_context(PostgresServer(max_prepared_transactions=16))
+        _say("starting PostgreSQL and RabbitMQ")
+        # fsync on, as in production: PREPARE and COMMIT PREPARED each flush the WAL, and that
+        # is part of what the 2PC cost measures.
+        pg = stack.enter_context(PostgresServer(max_prepared_transactions=16,
+                                                extra_conf={"fsync": "on"}))
         rabbit = stack.enter_context(RabbitServer())
         migrate(pg.url, "outbox")
-        conn = pika.BlockingConnection(pika.URLParameters(rabbit.url))
-        channel = conn.channel()
-        channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
-        channel.queue_declare(QUEUE, durable=True)
-        channel.queue_bind(QUEUE, EXCHANGE, routing_key="#")
-        conn.close()
-
-        results: dict[str, Any] = {"events": args.events, "batch_size": args.batch_size,
-                                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                                              f"Python {platform.python_version()}"}
-        rate = ceiling(rabbit.url, args.events, args.window)
-        results["ceiling_msgs_per_s"] = round(rate)
-        channel_conn = pika.BlockingConnection(pika.URLParameters(rabbit.url))
-        channel_conn.channel().queue_purge(QUEUE)
-        channel_conn.close()
-        for n in (1, 2, 4):
-            results[f"relay_{n}_events_per_s"] = round(relay_rate(
-                pg.url, rabbit.url, args.events, n, plain=False, batch_size=args.batch_size,
-                tag=f"r{n}"))
-        results["plain_commit_1_events_per_s"] = round(relay_rate(
-            pg.url, rabbit.url, args.events, 1, plain=True, batch_size=args.batch_size,
-            tag="plain"))
-    c = results["ceiling_msgs_per_s"]
-    results["ratios"] = {
-        "relay_1_vs_ceiling": round(results["relay_1_events_per_s"] / c, 2),
-        "relay_4_vs_ceiling": round(results["relay_4_events_per_s"] / c, 2),
-        "2pc_vs_plain_commit": round(results["relay_1_events_per_s"]
-                                     / results["plain_commit_1_events_per_s"], 2),
-    }
-    print(json.dumps(results, indent=2))
+        declare_sink(rabbit.url, args.sink_queues)
+        servers = Servers(pg.url, rabbit.url, pg.pids, rabbit.pids, args.sink_queues)
+        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-bench-")))
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "chart")}
+        if args.soak:
+            _say(f"soak: {args.soak:g} s at {args.soak_rate:,} events/s")
+            results = soak.run(servers, args.soak, args.soak_rate, logdir)
+        else:
+            results = bench(args, servers, logdir)
+            results["figures"] = report.figures(results)
+            results["targets"] = report.check_targets(results["figures"])
+    results = {"command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+               "code": code_version(), "machine": machine(load), "settings": settings,
+               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+               "elapsed_s": round(time.time() - started), **results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.soak:
+        print(report.table(results))
+    else:
+        print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "settings")},
+                         indent=2))
+    if args.chart is not None:
+        from benchmarks import chart
+
+        (chart.draw_soak if args.soak else chart.draw_run)(results, args.chart)
+    _say(f"wrote {args.out}" + (f" and {args.chart}" if args.chart else ""))
     return 0
 
 

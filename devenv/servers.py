@@ -332,6 +332,11 @@ class PostgresServer:
         """True while the postmaster is alive."""
         return self._postmaster_pid() is not None
 
+    def pids(self) -> list[int]:
+        """The postmaster first, then its live children (for CPU and memory accounting)."""
+        pid = self._postmaster_pid()
+        return [] if pid is None else [pid, *_descendants(pid)]
+
     def _initdb(self) -> None:
         directory = self._dir()
         self.socket_dir.mkdir(exist_ok=True)
@@ -722,6 +727,10 @@ class RabbitServer:
                         continue
                     channel.close()
                     break
+
+    def pids(self) -> list[int]:
+        """Every live process of the node (for CPU and memory accounting)."""
+        return self._processes()
 
     def _processes(self) -> list[int]:
         """Every live process of the node: its process group and all descendants.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pika
@@ -114,3 +115,23 @@ def _poll(impl: Any, done: Callable[[], bool], timeout: float) -> None:
         while not done() and not timer.is_ready():
             impl.ioloop.poll()
             impl.ioloop.process_timeouts()
+
+
+@contextmanager
+def coalesced_writes(conn: Any) -> Iterator[None]:
+    """Within the block, hand every frame pika emits to the socket in one write at the end.
+
+    pika gives each frame (three per message) to its transport separately, and the transport
+    sends each with a send() system call of its own: profiled, that was the largest share of
+    the relay's CPU time. The same bytes go out in the same order, only in fewer system calls.
+    Nothing inside the block may process I/O (publishing does not).
+    """
+    impl = conn._impl
+    chunks: list[bytes] = []
+    impl._adapter_emit_data = chunks.append  # shadows the method for this block only
+    try:
+        yield
+    finally:
+        del impl._adapter_emit_data
+        if chunks and impl._transport is not None:
+            impl._adapter_emit_data(b"".join(chunks))

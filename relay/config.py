@@ -207,7 +207,7 @@ RELAY_OPTIONS: tuple[Option, ...] = (
     GID_PREFIX,
     LEDGER_STREAM,
     LEDGER_MAX_AGE,
-    Option("batch_size", "OUTBOX_BATCH_SIZE", _positive_int, "500", "rows claimed per batch"),
+    Option("batch_size", "OUTBOX_BATCH_SIZE", _positive_int, "2000", "rows claimed per batch"),
     Option(
         "confirm_timeout", "OUTBOX_CONFIRM_TIMEOUT", _positive_float, "30",
         "seconds to wait for the broker's confirms of a batch before failing it",
@@ -333,7 +333,7 @@ class RelaySettings:
     gid_prefix: str = "outbox"
     ledger_stream: str = "outbox.ledger"
     ledger_max_age: str = "7D"
-    batch_size: int = 500
+    batch_size: int = 2000
     confirm_timeout: float = 30.0
     max_attempts: int = 10
     retry_base_delay: float = 1.0

@@ -14,6 +14,8 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+import pika.exceptions
+
 from relay import amqp
 from relay.errors import TransientError
 
@@ -79,9 +81,25 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
             raise TransientError(
                 f"ledger marker did not come back within {timeout:g} s; cannot decide")
     finally:
+        _stop_reading(blocking, tag)
+    return gids
+
+
+def _stop_reading(blocking: Any, tag: str) -> None:
+    """Close the reading channel without rejecting anything.
+
+    pika rejects (requeues) what arrives for a consumer it is cancelling, and a stream answers
+    basic.reject by closing the whole connection (540 NOT_IMPLEMENTED), which is likely while
+    relays keep appending after our marker. pika skips the reject for a consumer it takes for a
+    no-ack one: the records stay unacked and the channel's close releases them. Should the
+    broker close the connection all the same, the read is complete once the marker was seen:
+    the caller finds its connection closed and opens a new one.
+    """
+    channel = blocking._impl
+    try:
         if channel.is_open:
-            # Deliveries still in flight to a cancelled consumer are rejected by pika unless it
-            # takes the consumer for a no-ack one; leave them unacked for the close to release.
             channel._consumers_with_noack.add(tag)
             blocking.close()
-    return gids
+    except (pika.exceptions.AMQPError, *amqp.CONNECTION_ERRORS) as exc:
+        log.debug("ledger consumer ended by the broker: %r", exc,
+                  extra={"action": "ledger_read_closed"})

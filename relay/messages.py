@@ -34,6 +34,8 @@ def amqp_value(value: Any) -> Any:
 def _headers_error(headers: Any) -> str | None:
     if not isinstance(headers, dict):
         return f"headers must be a JSON object, got {type(headers).__name__}"
+    if not headers:
+        return None  # the common case; encoding an empty table cannot fail
     try:
         pika.data.encode_table([], amqp_value(headers))
     except Exception as exc:

@@ -1,13 +1,14 @@
 """Step 3 and 4 of the protocol: publish a batch with pipelined confirms, then the ledger record.
 
 pika's BlockingChannel waits one round trip per confirmed publish. This publisher drives the
-channel's asynchronous core instead: it writes every message of the batch, then pumps the
-connection until each delivery tag is acked, nacked or returned, so the whole batch is in
-flight at once.
+channel's asynchronous core instead: it writes every message of the batch (in one socket
+write), then pumps the connection until each delivery tag is acked, nacked or returned, so the
+whole batch is in flight at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -171,8 +172,13 @@ class AmqpPublisher:
                 raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
         return missing
 
-    def publish_batch(self, messages: Sequence[Message]) -> PublishResult:
-        """Publish every message persistent + mandatory and wait for all their confirms."""
+    def publish_batch(self, messages: Sequence[Message],
+                      while_waiting: Callable[[], None] | None = None) -> PublishResult:
+        """Publish every message persistent + mandatory and wait for all their confirms.
+
+        ``while_waiting`` runs once every message is on its way and before the wait: the
+        relay claims its next batch there, while the broker works on this one.
+        """
         self._result = PublishResult()
         self._pending.clear()
         self._by_message_id = {m.message_id: m.row_id for m in messages}
@@ -182,26 +188,28 @@ class AmqpPublisher:
             return self._result
         half = len(messages) // 2
         try:
-            for index, message in enumerate(messages):
-                if index == half:
-                    self._flush()
-                    self._fault("mid_publish")
-                self._publish(message.exchange, message.routing_key, message.body,
-                              message.properties, message.row_id)
+            self._publish_all(messages[:half])
+            self._flush()
+            self._fault("mid_publish")
+            self._publish_all(messages[half:])
+            if while_waiting is not None and self._closed_reason is None:
+                self._flush()  # the broker gets the batch before we turn to something else
+                while_waiting()
             self._wait_for_confirms()
         except amqp.CONNECTION_ERRORS as exc:
             self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
         self._settle_unconfirmed()
         return self._result
 
-    def _publish(self, exchange: str, routing_key: str, body: bytes, properties: Any,
-                 row_id: int) -> None:
+    def _publish_all(self, messages: Sequence[Message]) -> None:
         if self._closed_reason is not None:
             return  # the broker closed the channel; the rest stays unconfirmed
-        self._channel.basic_publish(exchange=exchange, routing_key=routing_key, body=body,
-                                    properties=properties, mandatory=True)
-        self._pending[self._next_tag] = row_id
-        self._next_tag += 1
+        with amqp.coalesced_writes(self._conn):
+            for m in messages:
+                self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
+                                            body=m.body, properties=m.properties, mandatory=True)
+                self._pending[self._next_tag] = m.row_id
+                self._next_tag += 1
 
     def _wait_for_confirms(self) -> None:
         self._pump_until(lambda: not self._pending or self._closed_reason is not None,
@@ -250,8 +258,11 @@ class AmqpPublisher:
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
-        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else (
-            [method.delivery_tag] if method.delivery_tag in self._pending else [])
+        if method.multiple:
+            # Tags are pending in publishing order: the acked ones are a prefix.
+            tags = list(itertools.takewhile(lambda t: t <= method.delivery_tag, self._pending))
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in self._pending else []
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for tag in tags:
             row_id = self._pending.pop(tag)

@@ -1,7 +1,10 @@
 """The outbox in PostgreSQL: claim, prepare, finish, record failures. Steps 1, 2 and 5.
 
-One autocommit connection: the claim transaction is opened with an explicit BEGIN and ended by
-PREPARE TRANSACTION, and COMMIT/ROLLBACK PREPARED must run outside any transaction block.
+Two autocommit sessions. The claim session runs the claim transaction, opened with an explicit
+BEGIN and ended by PREPARE TRANSACTION. The main session holds the relay's instance lock and
+runs COMMIT/ROLLBACK PREPARED (which must run outside any transaction block), the failure
+bookkeeping and the stats: so the next batch can be claimed while this one is still being
+confirmed, and this one committed while the next claim is open.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
         # libpq's message names host and port, never the password.
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TransientError(f"cannot connect to PostgreSQL: {first_line}") from exc
+
+
+def _usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+    if conn is None or conn.closed:
+        raise TransientError("not connected to PostgreSQL")
+    return conn
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -186,17 +195,23 @@ class OutboxStore:
         self._application_name = application_name
         self.tables = Tables(table)
         self._conn: psycopg.Connection[Any] | None = None
+        self._claim_conn: psycopg.Connection[Any] | None = None
         self._claim = self.tables.query("claim")
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            raise TransientError("not connected to PostgreSQL")
-        return self._conn
+        """The main session: instance lock, COMMIT/ROLLBACK PREPARED, failures, stats."""
+        return _usable(self._conn)
+
+    @property
+    def claim_conn(self) -> psycopg.Connection[Any]:
+        """The claim session: BEGIN, claim, dead-letter invalid rows, PREPARE TRANSACTION."""
+        return _usable(self._claim_conn)
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed and not self._conn.broken
+        return all(c is not None and not c.closed and not c.broken
+                   for c in (self._conn, self._claim_conn))
 
     def connect(self, lock_class: int, instance: int) -> None:
         """Connect, check the server and schema, and take this relay's instance lock."""
@@ -208,26 +223,34 @@ class OutboxStore:
         if not try_instance_lock(self._conn, lock_class, instance):
             self.close()
             raise TransientError("instance lock busy (a resolver is checking it); retrying")
+        try:
+            self._claim_conn = connect(self._url, timeout=self._connect_timeout,
+                                       application_name=f"{self._application_name} claim")
+        except TransientError:
+            self.close()
+            raise
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.closed:
-            conn.close()
+        for conn in (self._claim_conn, self._conn):
+            if conn is not None and not conn.closed:
+                conn.close()
+        self._conn = self._claim_conn = None
 
     def reset(self) -> None:
-        """Roll back an open (unprepared) transaction; close the session if even that fails."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            return
-        try:
-            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                conn.execute("ROLLBACK")
-        except psycopg.Error:
-            self.close()
+        """Roll back an open (unprepared) transaction; close the sessions if even that fails."""
+        for conn in (self._claim_conn, self._conn):
+            if conn is None or conn.closed:
+                continue
+            try:
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    conn.execute("ROLLBACK")
+            except psycopg.Error:
+                self.close()
+                return
 
     def claim(self, limit: int) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED)."""
-        conn = self.conn
+        conn = self.claim_conn
         conn.execute("BEGIN")
         cur = conn.execute(self._claim, {"limit": limit})
         # RETURNING follows the executor, not ORDER BY: publish in insert order.
@@ -243,15 +266,16 @@ class OutboxStore:
              "attempts": r.attempts, "error": error}
             for r, error in rows
         ]
-        with self.conn.cursor() as cur:
+        with self.claim_conn.cursor() as cur:
             cur.executemany(self.tables.query("dead_letter_claimed"), params)
 
     def rollback(self) -> None:
-        self.conn.execute("ROLLBACK")
+        """End a claim that found nothing (or is abandoned) without preparing it."""
+        self.claim_conn.execute("ROLLBACK")
 
     def prepare(self, gid: str) -> None:
         """Step 2: PREPARE TRANSACTION; checks that it really prepared."""
-        cur = self.conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        cur = self.claim_conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
         # A transaction that already failed answers "ROLLBACK" without an error.
         if cur.statusmessage != "PREPARE TRANSACTION":
             raise TransientError(f"PREPARE TRANSACTION answered {cur.statusmessage!r}")

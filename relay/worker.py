@@ -50,7 +50,8 @@ class Publisher(Protocol):
     def connect(self) -> None: ...
     def close(self) -> None: ...
     def missing_exchanges(self, names: set[str]) -> dict[str, str]: ...
-    def publish_batch(self, messages: Sequence[Message]) -> PublishResult: ...
+    def publish_batch(self, messages: Sequence[Message],
+                      while_waiting: Callable[[], None] | None = None) -> PublishResult: ...
     def record_batch(self, gid: str, count: int, instance: str) -> None: ...
     def idle(self, seconds: float) -> None: ...
 
@@ -107,6 +108,10 @@ class Relay:
         self._next_stats = 0.0
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._fault_streak = 0
+        # The next batch, claimed while the broker confirmed the last one: its claim
+        # transaction is open (not prepared) on the store's claim session.
+        self._ahead: list[OutboxRow] | None = None
+        self._ahead_error: psycopg.Error | None = None
 
     @property
     def instance_name(self) -> str:
@@ -118,8 +123,11 @@ class Relay:
         """Claim, prepare, publish, record, commit one batch. Returns the number of rows claimed."""
         s = self.settings
         started = time.monotonic()
-        # 1. BEGIN; claim due rows with FOR UPDATE SKIP LOCKED and delete them.
-        rows = self.store.claim(s.batch_size)
+        # 1. BEGIN; claim due rows with FOR UPDATE SKIP LOCKED and delete them (unless the
+        # previous batch claimed them already, while its confirms were on their way).
+        rows, self._ahead = self._ahead, None
+        if rows is None:
+            rows = self.store.claim(s.batch_size)
         if not rows:
             self.store.rollback()
             return 0
@@ -146,8 +154,9 @@ class Relay:
             raise
         self.fault("after_prepare")
 
-        # 3. Publish every message, persistent + mandatory, all confirms in flight at once.
-        result = self.publisher.publish_batch(messages)
+        # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
+        # claim the next batch (step 1 only) while the broker works.
+        result = self.publisher.publish_batch(messages, while_waiting=self._claim_ahead)
         result.failed.update(failed_early)  # so the batch is not complete
         committed = False
         if result.complete(len(messages)):
@@ -178,7 +187,28 @@ class Relay:
                          message_ids={row.id: row.message_id for row in rows})
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
+        if self._ahead_error is not None:
+            claim_error, self._ahead_error = self._ahead_error, None
+            raise claim_error  # this batch is finished; the loop now resets the claim session
         return len(rows)
+
+    def _claim_ahead(self) -> None:
+        """Claim the next batch while this one is confirmed: PostgreSQL's work overlaps the broker's.
+
+        The claim stays an open transaction, never prepared, until this batch is finished: a
+        crash rolls it back with the session, so at most one batch is ever in doubt and only
+        that batch can be duplicated. A failure is raised once this batch is finished.
+        """
+        if self.should_stop():
+            return
+        try:
+            rows = self.store.claim(self.settings.batch_size)
+            if rows:
+                self._ahead = rows
+            else:
+                self.store.rollback()
+        except psycopg.Error as exc:
+            self._ahead, self._ahead_error = None, exc
 
     def _build(self, rows: list[OutboxRow]) -> tuple[list[Message], list[tuple[OutboxRow, str]]]:
         messages: list[Message] = []
@@ -267,7 +297,7 @@ class Relay:
             except (TransientError, psycopg.Error) as exc:
                 self._connection_fault(exc)
                 continue
-            if claimed >= self.settings.batch_size:
+            if claimed >= self.settings.batch_size or self._ahead:
                 idle = self.settings.poll_min_interval
                 continue
             if claimed:
@@ -282,11 +312,14 @@ class Relay:
         log.info("relay stopped", extra={"action": "relay_stopped", "instance": self.instance_name})
 
     def close(self) -> None:
+        self._ahead = None  # closing the claim session rolls its claim back
         self.store.close()
         self.publisher.close()
 
     def _connection_fault(self, exc: BaseException) -> None:
         """A server failed us mid-loop: reset what is unusable, back off, try again."""
+        # Closed or reset below: a claim made ahead is rolled back with its session.
+        self._ahead, self._ahead_error = None, None
         if is_connection_error(exc):
             self.store.close()
         else:

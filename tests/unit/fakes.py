@@ -250,8 +250,8 @@ class FakeStore(_Scripted):
     def finish(self, gid: str, *, commit: bool) -> bool:
         fault = self._enter("finish", "commit_prepared" if commit else "rollback_prepared",
                             gid=gid, commit=commit)
-        if self.open is not None:
-            raise ProtocolViolation("COMMIT/ROLLBACK PREPARED inside a transaction block")
+        # COMMIT/ROLLBACK PREPARED run on the main session; ``open`` is the claim session's
+        # transaction (the next batch, claimed ahead), which they may overlap.
         txn = self.prepared.pop(gid, None)
         if txn is not None:
             self._apply(txn, commit=commit)
@@ -264,8 +264,8 @@ class FakeStore(_Scripted):
         fault = self._enter("settle_failed", "settle_failed", delivered=list(delivered),
                             failures=dict(failures), attributed=list(attributed),
                             max_attempts=max_attempts, base_delay=base_delay, max_delay=max_delay)
-        if self.open is not None:
-            raise ProtocolViolation("settle_failed inside the claim transaction")
+        # The main session's own transaction: the claim session may hold the next batch's
+        # claim meanwhile, whose rows are locked (not in self.rows) as in PostgreSQL.
         # Rows locked by another transaction are skipped (SKIP LOCKED): they are not in self.rows.
         for row_id in delivered:
             self.rows.pop(row_id, None)
@@ -395,7 +395,8 @@ class FakePublisher(_Scripted):
         return {name: f"exchange {name!r} not found (404 NOT_FOUND - no exchange {name!r} in vhost '/')"
                 for name in names if name in self.missing}
 
-    def publish_batch(self, messages: Sequence[Message]) -> PublishResult:
+    def publish_batch(self, messages: Sequence[Message],
+                      while_waiting: Callable[[], None] | None = None) -> PublishResult:
         fault = self._enter("publish_batch", "publish", row_ids=[m.row_id for m in messages])
         self.batches.append(list(messages))
         result = PublishResult()
@@ -421,6 +422,8 @@ class FakePublisher(_Scripted):
                                     "RabbitMQ connection lost: ConnectionResetError")
                 self._lose_connection()
                 break
+        if while_waiting is not None and stopped is None and result.transient is None:
+            while_waiting()  # as the real one: every message written, confirms not awaited
         unconfirmed = {m.row_id for m in messages} - result.confirmed - result.failed.keys()
         if stopped is not None:
             result.suspect.update(dict.fromkeys(sorted(unconfirmed), stopped))

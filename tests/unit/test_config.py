@@ -56,13 +56,13 @@ def test_env_wins_over_default() -> None:
 def test_default_applies_when_neither_flag_nor_env_is_set() -> None:
     values = relay_values()
 
-    assert values["batch_size"] == 500
+    assert values["batch_size"] == 2000
     assert values["table"] == "outbox"
     assert values["gid_prefix"] == "outbox"
 
 
 def test_empty_env_var_counts_as_unset() -> None:
-    assert relay_values(OUTBOX_BATCH_SIZE="")["batch_size"] == 500
+    assert relay_values(OUTBOX_BATCH_SIZE="")["batch_size"] == 2000
 
 
 def test_values_are_parsed_to_their_types() -> None:
@@ -100,7 +100,7 @@ def test_add_options_makes_flags_whose_help_names_the_env_var() -> None:
 
     assert parser.parse_args(["--batch-size", "3"]).batch_size == "3"
     assert parser.parse_args([]).batch_size is None
-    assert "env OUTBOX_BATCH_SIZE; default: 500" in help_text
+    assert "env OUTBOX_BATCH_SIZE; default: 2000" in help_text
     assert "env OUTBOX_DATABASE_URL; required" in help_text
 
 

@@ -100,8 +100,10 @@ def test_clean_batch_commits_after_the_ledger_record_in_protocol_order(rig: Rig)
 
     assert rig.relay.run_batch() == 3
 
+    # The second claim is the next batch's, made while the broker confirms: it found nothing.
     assert strip_faults(rig.journal) == [
-        "claim", "missing_exchanges", "prepare", "publish", "ledger", "commit_prepared"]
+        "claim", "missing_exchanges", "prepare", "publish", "claim", "rollback", "ledger",
+        "commit_prepared"]
 
 
 def test_clean_batch_empties_the_outbox_and_leaves_no_prepared_transaction(rig: Rig) -> None:
@@ -152,8 +154,8 @@ def test_claim_asks_for_the_configured_batch_size(monkeypatch: pytest.MonkeyPatc
 
     assert rig.relay.run_batch() == 2
 
-    assert rig.store.called("claim") == [{"limit": 2}]
-    assert sorted(rig.store.rows) == [3, 4, 5]
+    assert rig.store.called("claim") == [{"limit": 2}, {"limit": 2}]  # this batch, the next
+    assert sorted(rig.store.rows) == [5]
 
 
 def test_missing_exchanges_is_asked_once_with_the_batch_exchanges(rig: Rig) -> None:
@@ -691,7 +693,8 @@ def test_crash_points_are_passed_in_protocol_order(rig: Rig) -> None:
 
     assert rig.journal == [
         "claim", "@after_claim", "missing_exchanges", "prepare", "@after_prepare", "publish",
-        "@after_publish", "ledger", "@after_ledger", "commit_prepared", "@after_commit"]
+        "claim", "rollback", "@after_publish", "ledger", "@after_ledger", "commit_prepared",
+        "@after_commit"]
 
 
 def test_failed_batch_passes_only_the_crash_points_before_publishing(rig: Rig) -> None:
@@ -802,10 +805,12 @@ def test_full_batches_run_back_to_back_and_a_partial_one_waits_the_minimum(
     rig = make_rig(monkeypatch, batch_size=2, poll_min_interval=0.01, poll_max_interval=0.08)
     rig.store.add_many(5)
 
-    run_loop(rig, 4)
+    run_loop(rig, 5)
 
+    # Each batch claims the next while it is confirmed; the third finds the last row, the
+    # fourth nothing: only then does the loop wait.
     assert [e for e in rig.journal if e in ("claim", "idle")] == [
-        "claim", "claim", "claim", "idle", "claim", "idle"]
+        "claim", "claim", "claim", "claim", "idle", "claim", "idle"]
     assert rig.publisher.idles == pytest.approx([0.01, 0.02])
 
 
@@ -815,7 +820,7 @@ def test_work_after_idling_resets_the_wait_to_the_minimum(monkeypatch: pytest.Mo
         rig.store.before("claim", lambda: None)
     rig.store.before("claim", rig.store.add)  # the 5th claim finds a row
 
-    run_loop(rig, 6)
+    run_loop(rig, 7)  # the 6th claim is made ahead, while the row is confirmed
 
     assert rig.publisher.idles == pytest.approx([0.02, 0.04, 0.08, 0.08, 0.01, 0.02])
 
@@ -909,3 +914,96 @@ def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatc
     run_loop(rig, 5)
 
     assert rig.sleeps == [1.0, 2.0, 3.0, 3.0]
+
+
+# -- the next batch claimed while this one is confirmed -----------------------------------------
+
+
+def test_next_batch_is_claimed_during_the_confirms_and_published_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(4)
+
+    assert rig.relay.run_batch() == 2
+    # Claimed, not prepared: only this batch was ever in doubt.
+    assert rig.store.open is not None and sorted(rig.store.open.claimed) == [3, 4]
+    assert rig.store.prepared == {}
+    rig.journal.clear()
+    assert rig.relay.run_batch() == 2
+
+    assert strip_faults(rig.journal) == [
+        "missing_exchanges", "prepare", "publish", "claim", "rollback", "ledger",
+        "commit_prepared"]
+    assert rig.publisher.published_ids() == [1, 2, 3, 4]
+    assert rig.store.rows == {} and rig.store.open is None
+
+
+def test_a_crash_during_the_confirms_leaves_one_batch_in_doubt_and_the_next_unprepared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2, crash_at="after_publish")
+    rig.store.add_many(4)
+
+    with pytest.raises(Crash):
+        rig.relay.run_batch()
+
+    assert list(rig.store.prepared) == [rig.gid(1)]
+    assert rig.relay._unfinished == (rig.gid(1), False)
+    # The claim made ahead is an open transaction: the dying session rolls it back.
+    assert rig.store.open is not None and sorted(rig.store.open.claimed) == [3, 4]
+
+
+def test_a_failed_claim_ahead_is_raised_once_this_batch_is_committed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(4)
+    rig.store.before("claim", lambda: None)
+    rig.store.before("claim", lambda: rig.store.fail(
+        "claim", psycopg.DatabaseError("canceling statement"), disconnect=False))
+
+    with pytest.raises(psycopg.DatabaseError):
+        rig.relay.run_batch()
+
+    assert rig.store.called("finish") == [{"gid": rig.gid(1), "commit": True}]
+    assert rig.store.prepared == {} and rig.relay._unfinished is None
+    assert rig.relay._ahead is None
+    assert sorted(rig.store.rows) == [3, 4]
+
+
+def test_a_failed_batch_keeps_the_claim_made_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    ids = rig.store.add_many(4)
+    rig.publisher.script(ids[0], Outcome.NACK, times=1)
+
+    rig.relay.run_batch()
+    rig.relay.run_batch()
+
+    assert rig.batches("rolled_back") == 1 and rig.batches("committed") == 1
+    assert rig.publisher.published_ids() == [1, 2, 3, 4]
+    # The nacked row came back with an attempt counted; the second batch claimed it ahead, alone.
+    assert rig.store.rows == {}
+    assert rig.store.open is not None and list(rig.store.open.claimed) == [ids[0]]
+    assert rig.store.open.claimed[ids[0]].attempts == 1
+
+
+def test_no_claim_ahead_once_asked_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(4)
+    rig.relay.should_stop = lambda: True
+
+    rig.relay.run_batch()
+
+    assert len(rig.store.called("claim")) == 1
+    assert rig.store.open is None
+
+
+def test_a_connection_fault_forgets_the_claim_made_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(4)
+    rig.relay.run_batch()
+    assert rig.relay._ahead
+
+    rig.relay._connection_fault(psycopg.OperationalError("server closed the connection"))
+
+    assert rig.relay._ahead is None
+    assert rig.store.open is None  # closed with the session: the rows are free again
+    assert sorted(rig.store.rows) == [3, 4]

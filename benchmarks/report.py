@@ -1,0 +1,98 @@
+"""The run's figures as ratios against the issue's targets, and as the printed table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGETS = (
+    # (name, key in results["ratios"] or a derived figure, comparison, bound)
+    ("relay x1 / ceiling", "relay_1_vs_ceiling", ">=", 0.8),
+    ("relay x4 / ceiling", "relay_4_vs_ceiling", ">=", 1.0),
+    ("2PC / plain COMMIT", "2pc_vs_plain_commit", ">=", 0.9),
+    ("latency p50 at 2,000 ev/s (ms)", "latency_2000_p50_ms", "<=", 10.0),
+    ("latency p99 at 2,000 ev/s (ms)", "latency_2000_p99_ms", "<=", 50.0),
+    ("recovery after SIGKILL, worst trial (s)", "recovery_max_s", "<=", 5.0),
+    ("peak RSS of a relay process (MB)", "relay_peak_rss_mb", "<", 100.0),
+)
+
+
+def figures(results: dict[str, Any]) -> dict[str, float]:
+    """The ratios and single figures the targets are checked against."""
+    ceiling = results["ceiling"]["median"]
+    relay = results["relay"]
+    out = {
+        "relay_1_vs_ceiling": relay["1"]["median"] / ceiling,
+        "relay_2_vs_ceiling": relay["2"]["median"] / ceiling,
+        "relay_4_vs_ceiling": relay["4"]["median"] / ceiling,
+        "publishers_4_vs_ceiling": results["ceiling"]["publishers"]["4"]["median"] / ceiling,
+        "2pc_vs_plain_commit": relay["1"]["median"] / results["plain_commit"]["median"],
+        "relay_peak_rss_mb": max(
+            [r["peak_rss_mb"] for r in relay.values()]
+            + [run["relay_peak_rss_mb"] for run in results["latency"]]),
+    }
+    for run in results["latency"]:
+        rate = run["offered_events_per_s"]
+        out[f"latency_{rate}_p50_ms"] = run["p50_ms"]
+        out[f"latency_{rate}_p99_ms"] = run["p99_ms"]
+    if results["recovery"]["trials"]:
+        out["recovery_max_s"] = results["recovery"]["max_s"]
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def check_targets(measured: dict[str, float]) -> list[dict[str, Any]]:
+    checked = []
+    for name, key, op, bound in TARGETS:
+        value = measured.get(key)
+        met = None if value is None else (value >= bound if op == ">=" else
+                                          value <= bound if op == "<=" else value < bound)
+        checked.append({"target": f"{name} {op} {bound:g}", "measured": value, "met": met})
+    return checked
+
+
+def _cores(cpu: dict[str, float], seconds: float, key: str) -> str:
+    return f"{cpu[key] / seconds:.2f}" if key in cpu and seconds > 0 else "-"
+
+
+def table(results: dict[str, Any]) -> str:
+    ceiling = results["ceiling"]
+    lines = [
+        f"{'':30}{'events/s':>10}{'x ceiling':>11}   CPU cores: {'Python':>7}{'PostgreSQL':>11}"
+        f"{'RabbitMQ':>9}",
+    ]
+
+    def row(name: str, entry: dict[str, Any], python_key: str) -> None:
+        cpu, seconds = entry["cpu_seconds"], entry["seconds"]
+        lines.append(f"{name:30}{entry['median']:>10,.0f}{entry['median'] / ceiling['median']:>11.2f}"
+                     f"{'':14}{_cores(cpu, seconds, python_key):>7}"
+                     f"{_cores(cpu, seconds, 'postgresql'):>11}{_cores(cpu, seconds, 'rabbitmq'):>9}")
+
+    row(f"ceiling (window {ceiling['window']})", ceiling, "publisher")
+    for n, entry in ceiling["publishers"].items():
+        row(f"  {n} bare publishers at once", entry, "publisher")
+    for n in ("1", "2", "4"):
+        row(f"relay x{n}", results["relay"][n], "relay")
+    row("relay x1, plain COMMIT", results["plain_commit"], "relay")
+    lines.append("")
+    for run in results["latency"]:
+        lines.append(f"latency at {run['offered_events_per_s']:,} ev/s offered: p50 "
+                     f"{run['p50_ms']} ms, p99 {run['p99_ms']} ms, max {run['max_ms']} ms "
+                     f"({run['measured']:,} events)")
+    recovery = results["recovery"]
+    if recovery["trials"]:
+        lines.append(f"recovery after SIGKILL: {', '.join(f'{t:.2f}' for t in recovery['seconds'])}"
+                     f" s (worst {recovery['max_s']:.2f} s)")
+    for count, sweep in results["batch_sweep"].items():
+        lines.append(f"batch size sweep, relay x{count}: " + ", ".join(
+            f"{size}: {rate:,.0f}" for size, rate in sweep.items()))
+    lines.append("ceiling window sweep: " + ", ".join(
+        f"{w}: {rate:,.0f}" for w, rate in ceiling["window_sweep"].items()))
+    profiled = results.get("profile_relay_1_percent")
+    if profiled:
+        lines.append(f"relay x1 under py-spy, share of the loop's {profiled['samples']:,} samples:")
+        lines.extend(f"  {label:36}{share:5.1f} %" for label, share in profiled.items()
+                     if label != "samples")
+    lines.append("")
+    for target in results["targets"]:
+        mark = {True: "met   ", False: "MISSED", None: "n/a   "}[target["met"]]
+        lines.append(f"{mark} {target['target']:48} measured {target['measured']}")
+    return "\n".join(lines)

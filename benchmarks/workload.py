@@ -1,0 +1,128 @@
+"""What every benchmark publishes and where: the events, the sink queue, the exactly-once check.
+
+Events are the total-queue checker's (``{"key", "pad", "seq"}`` JSON, about 250 bytes as
+published), inserted with plain INSERTs into the ``outbox`` table, published by the relay to a
+topic exchange bound to one durable classic queue, the sink (or to several, by routing key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import psycopg
+from psycopg import sql
+
+from benchmarks.cpu import CpuMeter
+from devenv import checker
+
+EXCHANGE = "bench.events"
+QUEUE = "bench.sink"
+ROUTING_PREFIX = "bench."  # event n is routed with "bench.<n % sink queues>"
+TABLE = "outbox"
+# The payload's JSON text is pad + about 40 bytes: 250 bytes, like the ceiling's body below.
+PAD = 210
+CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
+
+_INSERT = sql.SQL(
+    "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
+    "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), "
+    "'k' || (n %% 16), "
+    "jsonb_build_object('key', 'k' || (n %% 16), 'seq', n, 'pad', repeat('x', %(pad)s)) "
+    "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n"
+).format(sql.Identifier(TABLE))
+
+
+def _none() -> list[int]:
+    return []
+
+
+@dataclass(frozen=True)
+class Servers:
+    db_url: str
+    amqp_url: str
+    # The servers' processes, for CPU accounting (unknown for servers we did not start).
+    postgres_pids: Callable[[], list[int]] = _none
+    rabbitmq_pids: Callable[[], list[int]] = _none
+    # One queue takes every event; more spread them by routing key (--sink-queues).
+    sink_queues: int = 1
+
+    def cpu_meter(self) -> CpuMeter:
+        return CpuMeter({"postgresql": self.postgres_pids, "rabbitmq": self.rabbitmq_pids})
+
+
+def queue_names(queues: int) -> list[str]:
+    return [QUEUE] if queues == 1 else [f"{QUEUE}.{i}" for i in range(queues)]
+
+
+def declare_sink(amqp_url: str, queues: int) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = conn.channel()
+        channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
+        for i, name in enumerate(queue_names(queues)):
+            channel.queue_declare(name, durable=True)
+            channel.queue_bind(name, EXCHANGE, routing_key="#" if queues == 1 else
+                               f"{ROUTING_PREFIX}{i}")
+    finally:
+        conn.close()
+
+
+def purge_sink(servers: Servers) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(servers.amqp_url))
+    try:
+        channel = conn.channel()
+        for name in queue_names(servers.sink_queues):
+            channel.queue_purge(name)
+    finally:
+        conn.close()
+
+
+def reset(servers: Servers) -> None:
+    """An empty outbox, no prepared transaction left, an empty sink: every run starts equal."""
+    with psycopg.connect(servers.db_url, autocommit=True) as conn:
+        for (gid,) in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall():
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        conn.execute("TRUNCATE outbox, outbox_dead_letter")
+        conn.execute("VACUUM ANALYZE outbox")
+    purge_sink(servers)
+
+
+def insert_events(conn: psycopg.Connection[Any], prefix: str, lo: int, hi: int,
+                  queues: int) -> None:
+    """Events ``<prefix>-<lo>`` .. ``<prefix>-<hi>``, as a producer's plain INSERT (no NOTIFY)."""
+    conn.execute(_INSERT, {"prefix": prefix, "exchange": EXCHANGE, "routing": ROUTING_PREFIX,
+                           "queues": queues, "pad": PAD, "lo": lo, "hi": hi})
+
+
+def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
+    """Insert ``count`` events, 10,000 a transaction; returns their message ids."""
+    with psycopg.connect(servers.db_url, autocommit=True) as conn:
+        for lo in range(0, count, 10_000):
+            insert_events(conn, prefix, lo, min(lo + 10_000, count) - 1, servers.sink_queues)
+        conn.execute("ANALYZE outbox")
+    return [f"{prefix}-{n}" for n in range(count)]
+
+
+class DeliveryError(RuntimeError):
+    """A run delivered something other than every event exactly once: its figure is void."""
+
+
+def check_exactly_once(servers: Servers, produced: list[str], what: str) -> checker.Report:
+    """Drain the sink and compare with ``produced``: nothing lost, no copy, nothing left."""
+    # Every message was confirmed, so it is in its queue: drain each until it is idle.
+    deliveries = [delivery for name in queue_names(servers.sink_queues)
+                  for delivery in checker.drain(servers.amqp_url, name, idle_timeout=0.5)]
+    with psycopg.connect(servers.db_url, autocommit=True) as conn:
+        report = checker.check(produced, deliveries, conn=conn, table=TABLE)
+    if not report.ok():
+        raise DeliveryError(f"{what} delivered wrongly: {report.summary()}")
+    return report
+
+
+def outbox_rows(db_url: str) -> int:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row: Any = conn.execute("SELECT count(*) FROM outbox").fetchone()
+        return int(row[0])

@@ -1,0 +1,64 @@
+"""Reading the ledger up to the resolver's marker while relays keep appending behind it."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pika
+
+from relay import amqp, ledger
+from tests.conftest import Env
+
+
+def _append_until(stop: threading.Event, url: str, stream: str, prefix: str) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    channel = conn.channel()
+    n = 0
+    while not stop.is_set():
+        for _ in range(50):
+            n += 1
+            channel.basic_publish("", stream, ledger.batch_record(f"{prefix}:0000000b:{n}", 1, "b"))
+        conn.process_data_events(time_limit=0)
+    conn.close()
+
+
+def _publish_marker(conn: Any, url: str, stream: str) -> tuple[Any, str]:
+    """Append a marker; on a connection the broker closed, reconnect first (as the resolver)."""
+    marker = ledger.new_marker()
+    try:
+        conn.channel().basic_publish("", stream, ledger.marker_record(marker))
+    except amqp.CONNECTION_ERRORS:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        conn.channel().basic_publish("", stream, ledger.marker_record(marker))
+    return conn, marker
+
+
+def test_marker_read_survives_records_arriving_behind_the_marker(env: Env) -> None:
+    # pika rejects the deliveries of a consumer it is cancelling that it has not dispatched, and
+    # a stream answers basic.reject by closing the whole connection (540 NOT_IMPLEMENTED). A
+    # relay appending records while the resolver reads makes such deliveries likely.
+    conn = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
+    stop = threading.Event()
+    appender = threading.Thread(target=_append_until,
+                                args=(stop, env.amqp_url, env.ledger_stream, env.gid_prefix))
+    try:
+        channel = conn.channel()
+        amqp.declare_ledger(channel, env.ledger_stream, "7D")
+        since = datetime.now(timezone.utc) - timedelta(seconds=1)
+        gids = {f"{env.gid_prefix}:0000000a:{n}" for n in range(1, 51)}
+        for gid in sorted(gids):
+            channel.basic_publish("", env.ledger_stream, ledger.batch_record(gid, 1, "a"))
+        appender.start()
+        for _attempt in range(5):
+            conn, marker = _publish_marker(conn, env.amqp_url, env.ledger_stream)
+            found = ledger.read_until_marker(conn, env.ledger_stream, since, marker, timeout=30)
+            assert gids <= set(found)
+            # Ending the read rejected nothing, so the broker kept the connection open.
+            assert conn.is_open, "the ledger read cost the reader its connection"
+    finally:
+        stop.set()
+        appender.join(10)
+        if conn.is_open:
+            conn.close()

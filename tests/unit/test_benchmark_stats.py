@@ -1,0 +1,55 @@
+"""The benchmark's arithmetic: percentiles, latencies and the memory slope."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.latency import latencies_ms, percentile
+from benchmarks.profile import phases
+from benchmarks.soak import slope_mb_per_hour
+
+
+def test_nearest_rank_percentile() -> None:
+    ordered = [float(n) for n in range(1, 101)]
+    assert percentile(ordered, 0.50) == 50.0
+    assert percentile(ordered, 0.99) == 99.0
+    assert percentile(ordered, 1.0) == 100.0
+    assert percentile([7.0], 0.99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 0.5)
+
+
+def test_latencies_skip_the_warmup_and_are_in_milliseconds() -> None:
+    commit_at = [10.0, 10.0, 11.0, 12.0]
+    arrived_at = [10.5, 10.002, 11.004, 12.001]
+    assert latencies_ms(commit_at, arrived_at, first=1) == pytest.approx([1.0, 2.0, 4.0])
+
+
+def test_slope_of_flat_and_growing_memory() -> None:
+    flat = [(t, 40.0) for t in range(0, 600, 5)]
+    assert slope_mb_per_hour(flat) == 0.0
+    growing = [(float(t), 40.0 + t / 3600) for t in range(0, 600, 5)]  # 1 MB an hour
+    assert slope_mb_per_hour(growing) == pytest.approx(1.0)
+    assert slope_mb_per_hour([(0.0, 1.0)]) == 0.0
+
+
+def test_profile_phases_are_shares_of_the_relay_loop() -> None:
+    collapsed = "\n".join([
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);OutboxStore.claim (store.py:1) 30",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);AmqpPublisher.publish_batch (p.py:1);"
+        "AmqpPublisher._wait_for_confirms (p.py:2);pump (amqp.py:1) 60",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);OutboxStore.finish (store.py:2) 10",
+        "<module> (a.py:1);Relay.run_batch (worker.py:1);AmqpPublisher.publish_batch (p.py:1);"
+        "Relay._claim_ahead (worker.py:5);OutboxStore.claim (store.py:1) 100",
+        "<module> (a.py:1);Relay.close (worker.py:9) 500",  # outside the loop: not counted
+        "not a sample line",
+    ])
+    shares = phases(collapsed)
+    assert shares["samples"] == 200
+    assert shares["1 claim (when none was made ahead)"] == 15.0  # the claim ahead is apart
+    assert shares["  claim the next batch meanwhile"] == 50.0
+    assert shares["3 wait for the confirms"] == 30.0
+    assert shares["5 COMMIT PREPARED"] == 5.0
+    assert shares["2 PREPARE TRANSACTION"] == 0.0
+    with pytest.raises(RuntimeError):
+        phases("<module> (a.py:1) 5")

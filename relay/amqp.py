@@ -12,7 +12,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import _IoloopTimerContext
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-from relay.errors import StartupCheckError, TransientError
+from relay.errors import StartupCheckError, TransientError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def connect(url: str, *, timeout: float, name: str) -> Any:
 def _reason(exc: BaseException) -> str:
     """The error's class and first line ("SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED]
     certificate verify failed ..."); pika's texts name hosts and ports, never the password."""
-    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    text = first_line(str(exc))[:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -139,8 +139,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _dead_letter(args: argparse.Namespace) -> int:
     values = config.resolve(args, DEAD_LETTER_OPTIONS)
     try:

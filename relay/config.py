@@ -18,7 +18,7 @@ import pika
 import psycopg
 import psycopg.conninfo
 
-from relay.errors import ConfigError
+from relay.errors import ConfigError, first_line
 from relay.gid import PREFIX_RE
 from relay.logs import redact
 
@@ -103,7 +103,7 @@ def _amqp_url(text: str) -> str:
     try:
         pika.URLParameters(text)
     except Exception as exc:  # ValueError, TypeError, SyntaxError, OSError (a missing CA file)
-        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        reason = first_line(str(exc))[:200]
         raise _SafeValueError(
             f"has options pika cannot use ({type(exc).__name__}: {redact(reason)})") from None
     return text

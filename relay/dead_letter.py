@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from relay.errors import StartupCheckError
 from relay.queries import Tables
+from relay.store import missing_schema
 
 
 @dataclass(frozen=True)
@@ -32,18 +32,13 @@ class Requeued:
     missing: list[int] = field(default_factory=list)  # ids asked for that are not dead letters
 
 
-def _missing_schema(tables: Tables) -> StartupCheckError:
-    return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not exist: "
-                             "run `outbox-relay migrate` first")
-
-
 def list_dead_letters(conn: psycopg.Connection[Any], tables: Tables,
                       limit: int) -> tuple[list[DeadLetter], int]:
     """(up to ``limit`` dead letters, oldest first; how many there are in all)."""
     try:
         rows = conn.execute(tables.query("dead_letter_list"), {"limit": limit}).fetchall()
     except psycopg.errors.UndefinedTable:
-        raise _missing_schema(tables) from None
+        raise missing_schema(tables) from None
     return [DeadLetter(*row[:7]) for row in rows], (rows[0][7] if rows else 0)
 
 
@@ -67,5 +62,5 @@ def requeue(conn: psycopg.Connection[Any], tables: Tables, ids: Sequence[int] | 
                 else:
                     result.moved[dead_id] = row[1]
     except psycopg.errors.UndefinedTable:
-        raise _missing_schema(tables) from None
+        raise missing_schema(tables) from None
     return result

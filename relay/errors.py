@@ -21,3 +21,14 @@ class TransientError(OutboxError):
 
 class BatchFailed(OutboxError):
     """The broker did not confirm every message of a batch; it must be rolled back."""
+
+
+def first_line(text: str) -> str:
+    """The first line of ``text`` without surrounding blanks ("" for blank text): error texts
+    of libpq and pika run over several lines, logs and probe bodies want one."""
+    return (text.strip().splitlines() or [""])[0]
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming ``exc``: its text's first line, or its class when it has no text."""
+    return first_line(str(exc)) or type(exc).__name__

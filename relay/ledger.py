@@ -46,8 +46,8 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
     it, "not in the ledger" would be a guess.
     """
     gids: dict[str, int] = {}
-    seen = [False]
-    unacked = [0]
+    seen = False
+    unacked = 0
     blocking = conn.channel()
     blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
     # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
@@ -55,7 +55,8 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
     channel = blocking._impl
 
     def on_message(ch: Any, method: Any, _props: Any, body: bytes) -> None:
-        if seen[0]:
+        nonlocal seen, unacked
+        if seen:
             return  # records after our marker: not needed; released when the channel closes
         try:
             record = json.loads(body)
@@ -66,18 +67,18 @@ def read_until_marker(conn: Any, stream: str, since: datetime, marker: str,
                 count = record.get("count")
                 gids[record["gid"]] = count if isinstance(count, int) else 0
             elif record.get("type") == "marker" and record.get("marker") == marker:
-                seen[0] = True
-        unacked[0] += 1
-        if seen[0] or unacked[0] >= ACK_EVERY:
+                seen = True
+        unacked += 1
+        if seen or unacked >= ACK_EVERY:
             ch.basic_ack(method.delivery_tag, multiple=True)  # credit for the next records
-            unacked[0] = 0
+            unacked = 0
 
     tag = channel.basic_consume(stream, on_message, arguments={"x-stream-offset": since})
     try:
-        amqp.pump(conn, lambda: seen[0] or not channel.is_open, timeout)
+        amqp.pump(conn, lambda: seen or not channel.is_open, timeout)
         if not channel.is_open:
             raise TransientError("ledger read: the channel was closed by the broker")
-        if not seen[0]:
+        if not seen:
             raise TransientError(
                 f"ledger marker did not come back within {timeout:g} s; cannot decide")
     finally:

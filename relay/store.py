@@ -21,7 +21,7 @@ import psycopg.errors
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from relay.errors import StartupCheckError, TransientError
+from relay.errors import StartupCheckError, TransientError, describe
 from relay.queries import Tables
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
         )
     except psycopg.OperationalError as exc:
         # libpq's message names host and port, never the password.
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TransientError(f"cannot connect to PostgreSQL: {first_line}") from exc
+        raise TransientError(f"cannot connect to PostgreSQL: {describe(exc)}") from exc
 
 
 def _usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
@@ -117,10 +116,13 @@ def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) ->
     if version < 130000:
         raise StartupCheckError("PostgreSQL 13 or newer is required")
     if tables is not None and not (has_outbox and has_dead_letter):
-        raise StartupCheckError(
-            f"table {tables.name!r} or {tables.dead_letter_name!r} does not exist: "
-            "run `outbox-relay migrate` first"
-        )
+        raise missing_schema(tables)
+
+
+def missing_schema(tables: Tables) -> StartupCheckError:
+    """The one-line error for an outbox or dead-letter table that does not exist."""
+    return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not "
+                             "exist: run `outbox-relay migrate` first")
 
 
 def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:

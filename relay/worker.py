@@ -13,7 +13,7 @@ import tenacity
 
 from relay.config import RelaySettings
 from relay.connections import ConnectionEvents
-from relay.errors import BatchFailed, TransientError
+from relay.errors import BatchFailed, TransientError, describe
 from relay.gid import Gid, lock_class, new_instance_id
 from relay.health import Health, stall_threshold
 from relay.messages import to_message
@@ -331,8 +331,7 @@ class Relay:
             if not client.connected:
                 self.health.set_check(server, "connection lost; reconnecting")
         if isinstance(exc, psycopg.Error) and not is_connection_error(exc):
-            log.error("database error: %s", str(exc).strip().splitlines()[0] if str(exc) else exc,
-                      extra={"action": "database_error"})
+            log.error("database error: %s", describe(exc), extra={"action": "database_error"})
         else:
             log.debug("connection fault: %s", exc, extra={"action": "connection_fault"})
         self._fault_streak += 1
@@ -373,11 +372,8 @@ class Relay:
         )
 
     def _sleep(self, seconds: float) -> None:
-        """Back off; waiting to reconnect is the loop turning as designed, so it beats."""
-        deadline = time.monotonic() + seconds
-        while not self.should_stop() and time.monotonic() < deadline:
-            self.health.beat()
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        """Back off (tenacity's sleep too); the wait beats the liveness probe."""
+        self.health.wait(seconds, self.should_stop)
 
     def _mark_down(self, server: str) -> None:
         self.metrics.connected.labels(server).set(0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -239,8 +238,5 @@ class Resolver:
         log.info("resolver stopped", extra={"action": "resolver_stopped"})
 
     def _sleep(self, seconds: float) -> None:
-        """Wait for the next scan (or to retry); waiting is the loop turning, so it beats."""
-        deadline = time.monotonic() + seconds
-        while not self.should_stop() and time.monotonic() < deadline:
-            self.health.beat()
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        """Wait for the next scan (or to retry); the wait beats the liveness probe."""
+        self.health.wait(seconds, self.should_stop)

@@ -11,7 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from devenv import checker
 from devenv.servers import PostgresServer, RabbitServer
 from relay import worker
 from relay.config import RelaySettings, ResolverSettings
@@ -118,6 +119,18 @@ class Env:
 
     def connect(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.db_url, autocommit=True)
+
+    def drain_and_check(self, produced: list[str], *, early: Sequence[checker.Delivery] = (),
+                        idle_timeout: float = 2.0) -> checker.Report:
+        """Drain the test's queue until every produced id not already in ``early`` arrived, and
+        run the total-queue checker, counting what is left in the outbox, dead-lettered and in
+        doubt under the test's table and gid prefix."""
+        rest = set(produced) - {d.message_id for d in early}
+        deliveries = [*early, *checker.drain(self.amqp_url, self.queue, expected=rest,
+                                             idle_timeout=idle_timeout)]
+        with self.connect() as conn:
+            return checker.check(produced, deliveries, conn=conn, table=self.table,
+                                 gid_prefix=self.gid_prefix)
 
     def amqp_channel(self) -> tuple[Any, Any]:
         conn = pika.BlockingConnection(pika.URLParameters(self.amqp_url))

@@ -36,7 +36,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from relay import config, logs
-from relay.errors import ConfigError
+from relay.errors import ConfigError, describe
 from relay.queries import Tables, parse_named
 
 log = logging.getLogger("demo-producer")
@@ -171,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                should_stop=stop.is_set)
     except (psycopg.Error, pika.exceptions.AMQPError, OSError) as exc:
         # Neither libpq's nor pika's messages contain the URL's password.
-        log.error("demo producer failed: %s", str(exc).strip().splitlines()[0] if str(exc).strip()
-                  else type(exc).__name__, extra={"action": "demo_producer_failed"})
+        log.error("demo producer failed: %s", describe(exc),
+                  extra={"action": "demo_producer_failed"})
         return 1
     log.info("demo producer stopped after %d events", produced, extra={
         "action": "demo_producer_stopped", "events": produced})

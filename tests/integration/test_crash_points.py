@@ -51,10 +51,6 @@ def test_sigkill_at_each_step(env: Env, crash_at: str) -> None:
     finisher = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH))
     wait_until(lambda: outbox_count(env) == 0, 60, "the outbox to empty")
     assert stop(finisher) == 0
-    rest = set(produced) - {d.message_id for d in early}
-    deliveries = early + checker.drain(env.amqp_url, env.queue, expected=rest)
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced, early=early)
     bound = BATCH if crash_at in MAY_DUPLICATE else 0
     assert report.ok(max_duplicates=bound), report.summary()

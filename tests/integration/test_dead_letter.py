@@ -63,10 +63,7 @@ def test_unroutable_and_missing_exchange_are_dead_lettered_after_the_attempt_lim
     assert dead["unroutable-1"][0] == 3 and "unroutable" in dead["unroutable-1"][1]
     assert dead["missing-exchange-1"][0] == 3 and "not found" in dead["missing-exchange-1"][1]
     produced = head + tail
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     # The healthy rows of the failed batches were delivered once, not again on every retry.
     assert report.ok(dead_letter_expected=2), report.summary()
     assert relay.metrics.dead_lettered.labels("exhausted")._value.get() == 2

@@ -67,10 +67,7 @@ def finish(env: Env, relay: subprocess.Popen[bytes], produced: list[str], *,
     wait_until(lambda: not in_doubt(env), 5, "the relay's own in-doubt batch to be finished")
     assert stop(relay) == 0, log_of(relay)
     resolve_once(env)
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced), idle_timeout=1)
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced, idle_timeout=1)
     assert report.ok(max_duplicates=max_duplicates), report.summary() + "\n" + log_of(relay)
     return report
 
@@ -135,6 +132,21 @@ def _watch_black_hole(env: Env, seconds: float) -> tuple[dict[str, float], list[
     return oldest, counts
 
 
+def _black_hole_mid_stream(
+    env: Env, proxies: ProxyFactory, seconds: float
+) -> tuple[list[str], subprocess.Popen[bytes], Proxy, dict[str, float], list[tuple[float, int]]]:
+    """Start a relay, black-hole its broker once it has made progress, watch for ``seconds``;
+    the relay must still be running."""
+    pg, mq = proxies(env.db_url), proxies(env.amqp_url)
+    produced = produce(env)
+    relay = spawn_relay(env, pg, mq)
+    progress_below(env, EVENTS - 500)
+    mq.blackhole()
+    oldest, counts = _watch_black_hole(env, seconds)
+    assert relay.poll() is None, log_of(relay)
+    return produced, relay, mq, oldest, counts
+
+
 def _heal_and_time_recovery(env: Env, mq: Proxy, rows_before: int) -> float:
     mq.heal()
     healed = time.monotonic()
@@ -145,15 +157,10 @@ def _heal_and_time_recovery(env: Env, mq: Proxy, rows_before: int) -> float:
 
 def test_amqp_black_hole_mid_stream(env: Env, proxies: ProxyFactory) -> None:
     """No COMMIT PREPARED without confirms while the broker is black-holed; recovery after."""
-    pg, mq = proxies(env.db_url), proxies(env.amqp_url)
-    produced = produce(env)
-    relay = spawn_relay(env, pg, mq)
-    progress_below(env, EVENTS - 500)
-    mq.blackhole()
     # heal() drops the black-holed connections, so anything the relay wrote into the hole
     # never reaches the broker: a batch committed without its confirms would be lost.
-    _oldest, counts = _watch_black_hole(env, CONFIRM_TIMEOUT + 4)
-    assert relay.poll() is None, log_of(relay)
+    produced, relay, mq, _oldest, counts = _black_hole_mid_stream(env, proxies,
+                                                                  CONFIRM_TIMEOUT + 4)
     # Rows leave the outbox during the black hole only by a commit (or by the forget-delivered
     # step, which needs confirms): once the batch in flight is settled, nothing may move.
     settled = [n for t, n in counts if t > CONFIRM_TIMEOUT + 1]
@@ -168,14 +175,8 @@ def test_amqp_black_hole_mid_stream(env: Env, proxies: ProxyFactory) -> None:
 def test_amqp_black_hole_prepared_batch_outlives_confirm_timeout(
     env: Env, proxies: ProxyFactory
 ) -> None:
-    pg, mq = proxies(env.db_url), proxies(env.amqp_url)
-    produced = produce(env)
-    relay = spawn_relay(env, pg, mq)
-    progress_below(env, EVENTS - 500)
-    mq.blackhole()
     limit = CONFIRM_TIMEOUT + 2.0
-    oldest, counts = _watch_black_hole(env, limit + 3)
-    assert relay.poll() is None, log_of(relay)
+    produced, relay, mq, oldest, counts = _black_hole_mid_stream(env, proxies, limit + 3)
     _heal_and_time_recovery(env, mq, counts[-1][1])
     finish(env, relay, produced, max_duplicates=2 * BATCH)
     too_old = {gid: round(age, 2) for gid, age in oldest.items() if age > limit}

@@ -60,10 +60,7 @@ def test_four_relays_deliver_20000_events_exactly_once(env: Env) -> None:
     wait_until(lambda: outbox_count(env) == 0, 180, "the outbox to empty")
     for proc in relays:
         assert stop(proc) == 0, log_of(proc)
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=0), report.summary()
     # Every relay did part of the work: the claim does not serialize them.
     for proc in relays:
@@ -98,10 +95,7 @@ def test_killed_relay_is_recovered_by_the_resolver(
     relay = env.spawn("relay", OUTBOX_BATCH_SIZE=str(batch))
     wait_until(lambda: outbox_count(env) == 0, 60, "the outbox to empty")
     assert stop(relay) == 0
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=batch), report.summary()
     if duplicates_expected:
         assert report.duplicates == batch, report.summary()

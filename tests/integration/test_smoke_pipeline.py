@@ -34,10 +34,7 @@ def test_events_are_relayed_exactly_once(env: Env) -> None:
     relay = make_relay(env, batch_size=500)
     drain_relay(relay)
     relay.close()
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(), report.summary()
     assert report.order_violations == {}
     assert relay.metrics.events_published._value.get() == 1200

@@ -132,10 +132,7 @@ def test_relay_and_resolver_connect_over_verified_tls(
 
     assert stop(relay) == 0, log_of(relay)
     assert stop(resolver) == 0, log_of(resolver)
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=0), report.summary()
 
 

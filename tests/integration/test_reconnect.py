@@ -71,10 +71,7 @@ def test_rabbitmq_restart_mid_stream(own_env: Env, own_rabbit: RabbitServer, how
     wait_until(lambda: outbox_count(env) == 0, 120, "the outbox to empty after the restart")
     assert stop(relay) == 0, log_of(relay)
     resolve_once(env)  # nothing should be left for it, but a batch may be in doubt
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as db:
-        report = checker.check(produced, deliveries, conn=db, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     # Only the batch in flight when the broker died may be delivered twice.
     assert report.ok(max_duplicates=50), report.summary()
     log = log_of(relay)
@@ -103,10 +100,7 @@ def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None
     relay.send_signal(signal.SIGTERM)
     assert relay.wait(30) == 0, log_of(relay)
     resolve_once(env)
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=50), report.summary()
     log = log_of(relay)
     assert log.count("postgresql connection lost") == 1, log
@@ -139,11 +133,9 @@ def test_prepared_batches_survive_a_postgres_crash(own_env: Env, own_pg: Postgre
     assert sorted(in_doubt(env)) == prepared  # PREPARE made them durable
     wait_until(lambda: "postgresql reconnected" in log_of(relay), 30, "the relay to reconnect")
     resolve_once(env)
-    assert in_doubt(env) == []
+    # Both are finished (the live relay may already hold a batch of its own in flight).
+    assert not set(in_doubt(env)) & set(prepared)
     wait_until(lambda: outbox_count(env) == 0, 60, "the rolled-back batch to be relayed")
     assert stop(relay) == 0, log_of(relay)
-    deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
-    with env.connect() as conn:
-        report = checker.check(produced, deliveries, conn=conn, table=env.table,
-                               gid_prefix=env.gid_prefix)
+    report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=0), report.summary()

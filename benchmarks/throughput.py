@@ -47,15 +47,16 @@ class PlainCommitStore(OutboxStore):
         """The session of the latest claim (before connect() finishes: the store's own)."""
         return self._open[-1] if getattr(self, "_open", None) else super().claim_conn
 
-    def claim(self, limit: int) -> list[OutboxRow]:
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = 134217728) -> list[OutboxRow]:
         self._open.append(next(c for c in self._sessions if c not in self._open))
-        return super().claim(limit)
+        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes)
 
     def rollback(self) -> None:
         self._open.pop().execute("ROLLBACK")
 
-    def prepare(self, gid: str) -> None:
-        pass
+    def prepare(self, gid: str) -> int:
+        return 0  # no prepared transaction: its ledger record names xid 0
 
     def finish(self, gid: str, *, commit: bool) -> bool:
         self._open.popleft().execute("COMMIT" if commit else "ROLLBACK")

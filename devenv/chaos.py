@@ -3,9 +3,13 @@
 Several relays and a resolver relay a steady stream of events while a loop SIGKILLs relays at
 random, crashes and restarts PostgreSQL, kills or stops and restarts RabbitMQ, and cuts or
 black-holes their connections (the relays and the resolver reach both servers through loopback
-proxies, devenv/proxy.py). At the end every process is allowed to finish, the queue is drained
-and the total-queue checker prints: events, kills, restarts, cuts, lost, unexpected, duplicated,
-order violations, what is left over, and the longest time a batch waited in doubt.
+proxies, devenv/proxy.py). A second producer mixes hostile rows into the traffic at random
+(headers nested thousands deep or over frame_max, created_at 'infinity', BC or year 10000,
+records forged for the ledger, oversized payloads...): each must end in the dead-letter table,
+none may be published or stop a relay. At the end every process is allowed to finish, the queue
+is drained and the total-queue checker prints: events, kills, restarts, cuts, lost (events not
+delivered and hostile rows not dead-lettered), unexpected, duplicated, order violations, what is
+left over, and the longest time a batch waited in doubt.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pika
+import pika.exceptions
 import psycopg
+from psycopg.types.json import Jsonb
 
 from devenv import checker
 from devenv.proxy import Proxy
@@ -38,6 +44,25 @@ ROOT = Path(__file__).resolve().parent.parent
 EXCHANGE = "chaos.events"
 QUEUE = "chaos.sink"
 LEDGER = "outbox.ledger"
+MAX_MESSAGE_BYTES = 256 * 1024  # the relays' OUTBOX_MAX_MESSAGE_BYTES in the chaos run
+
+# Hostile rows: {kind: the columns a buggy or malicious producer writes}. Each can never be
+# published; every one must end in the dead-letter table, whatever the faults.
+HOSTILE: dict[str, dict[str, Any]] = {
+    "nested_headers": {"headers": "NESTED"},
+    "headers_not_object": {"headers": Jsonb(["not", "an", "object"])},
+    "headers_over_frame_max": {"headers": Jsonb({"big": "x" * 200_000})},
+    "header_int_too_big": {"headers": Jsonb({"n": 2**70})},
+    "created_infinity": {"created_at": "infinity"},
+    "created_minus_infinity": {"created_at": "-infinity"},
+    "created_bc": {"created_at": "4713-01-01 00:00:00+00 BC"},
+    "created_year_10000": {"created_at": "10000-01-01 00:00:00+00"},
+    "created_1960": {"created_at": "1960-01-01 00:00:00+00"},
+    "forged_ledger_default_exchange": {"exchange": "", "routing_key": LEDGER, "payload": "FORGED"},
+    "forged_ledger_exchange": {"exchange": LEDGER, "routing_key": LEDGER, "payload": "FORGED"},
+    "oversized_payload": {"payload_bytes": b"\x00" * (MAX_MESSAGE_BYTES + 1)},
+    "long_routing_key": {"routing_key": "r" * 300},
+}
 
 
 @dataclass
@@ -52,6 +77,8 @@ class Tally:
     max_in_doubt_seconds: float = 0.0
     produced: list[str] = field(default_factory=list)
     producer_errors: int = 0
+    hostile: list[str] = field(default_factory=list)  # message ids: expected in dead letter
+    forged_records: int = 0  # forged records appended to the ledger stream directly
 
     @property
     def faults(self) -> int:
@@ -95,6 +122,93 @@ class Producer(threading.Thread):
                 continue
             next_at += tick
             time.sleep(max(0.0, next_at - time.monotonic()))
+
+
+class HostileProducer(threading.Thread):
+    """Inserts a hostile row of a random kind every ``gap`` seconds on average, committed or
+    retried with the same message id (ON CONFLICT makes a retry after a lost commit safe).
+
+    Forged ledger records name a batch that is in doubt right now (pg_prepared_xacts is
+    readable by everyone), its real xid included. Now and then one is also appended to the
+    stream directly, as another broker user would: the resolver must reject it.
+    """
+
+    def __init__(self, url: str, amqp_url: str, gap: float, stop: threading.Event, tally: Tally,
+                 rng: random.Random) -> None:
+        super().__init__(daemon=True)
+        self.url, self.amqp_url, self.gap = url, amqp_url, gap
+        self.stop_event, self.tally, self.rng = stop, tally, rng
+
+    def _in_doubt(self, conn: psycopg.Connection[Any] | None) -> tuple[str, int]:
+        row = None
+        if conn is not None:
+            row = conn.execute("SELECT gid, transaction::text::bigint FROM pg_prepared_xacts"
+                               " ORDER BY random() LIMIT 1").fetchone()
+        return (str(row[0]), int(row[1])) if row else ("outbox:00000001:1", 1)
+
+    def _forged(self, conn: psycopg.Connection[Any] | None) -> dict[str, Any]:
+        gid, xid = self._in_doubt(conn)
+        return {"type": "batch", "v": 1, "gid": gid, "xid": xid, "database": "outbox",
+                "count": 1, "relay": "forged", "mac": f"{self.rng.getrandbits(256):064x}"}
+
+    def _forge_in_stream(self, conn: psycopg.Connection[Any] | None) -> None:
+        try:
+            amqp = pika.BlockingConnection(pika.URLParameters(self.amqp_url))
+            try:
+                amqp.channel().basic_publish("", LEDGER, json.dumps(self._forged(conn)).encode())
+            finally:
+                amqp.close()
+            self.tally.forged_records += 1
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+
+    def _columns(self, kind: str, n: int, conn: psycopg.Connection[Any] | None) -> dict[str, Any]:
+        columns: dict[str, Any] = {"message_id": f"h-{n}-{kind}", "exchange": EXCHANGE,
+                                   "routing_key": "chaos", "payload": Jsonb({"hostile": kind})}
+        columns.update(HOSTILE[kind])
+        if columns.get("headers") == "NESTED":
+            columns["headers"] = '{"a":' * 5000 + "1" + "}" * 5000
+        if columns.get("payload") == "FORGED":
+            columns["payload"] = Jsonb(self._forged(conn))
+        if "payload_bytes" in columns:
+            columns["payload"] = None
+        return columns
+
+    def run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        n = 0
+        pending: dict[str, Any] | None = None
+        deadline = float("inf")
+        while time.monotonic() < deadline:
+            if self.stop_event.wait(self.rng.uniform(0, 2 * self.gap)):
+                # Stopped: only a row whose insert may have failed is still written (for 30 s),
+                # so every hostile row in the table is one the checker expects.
+                if pending is None:
+                    break
+                deadline = min(deadline, time.monotonic() + 30)
+                time.sleep(0.2)
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2)
+                if pending is None and self.rng.random() < 0.2:
+                    self._forge_in_stream(conn)
+                    continue
+                if pending is None:
+                    n += 1
+                    pending = self._columns(self.rng.choice(sorted(HOSTILE)), n, conn)
+                names = list(pending)
+                casts = {"headers": "::jsonb", "created_at": "::timestamptz"}
+                values = ", ".join(f"%({name})s{casts.get(name, '')}" for name in names)
+                conn.execute(f"INSERT INTO outbox ({', '.join(names)}) VALUES ({values})"
+                             " ON CONFLICT (message_id) DO NOTHING", pending)
+            except psycopg.Error:
+                self.tally.producer_errors += 1
+                conn = None
+                continue
+            self.tally.hostile.append(pending["message_id"])
+            pending = None
+        if conn is not None:
+            conn.close()
 
 
 # Faults and their weights: relay kills are cheap and the most telling, server restarts slow.
@@ -190,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycle", action="store_true",
                         help="inject every kind of fault in turn instead of at random by weight")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--hostile-gap", type=float, default=1.0, metavar="SECONDS",
+                        help="mean seconds between hostile rows (0: none; default: 1)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     tally = Tally()
@@ -218,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     "OUTBOX_AMQP_URL": mq_proxy.url(rabbit.url),
                     "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
                     "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
+                    "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
                     "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(ROOT)})
         names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
         procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
@@ -244,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         watching.set()
         producer = Producer(pg.url, args.rate, stop, tally)
         producer.start()
+        hostile = HostileProducer(pg.url, rabbit.url, args.hostile_gap, stop, tally,
+                                  random.Random(rng.random()))
+        if args.hostile_gap > 0:
+            hostile.start()
         watch = threading.Thread(target=_watch_in_doubt, args=(pg.url, watching, tally),
                                  daemon=True)
         watch.start()
@@ -267,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
         stop.set()
         producer.join(30)
+        if hostile.is_alive():
+            hostile.join(30)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             left = _scalar(pg.url, "SELECT count(*) FROM outbox")
@@ -285,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                                    total_timeout=600)
         with psycopg.connect(pg.url, autocommit=True) as db:
             report = checker.check(tally.produced, deliveries, conn=db, table="outbox")
+        expected_dead = set(tally.hostile)
+        missing_dead = report.dead_letter_missing(expected_dead)
         figures = {
             "duration_seconds": args.duration, "relays": args.relays, "rate": args.rate,
             "batch_size": args.batch_size, "events": report.produced,
@@ -292,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             "postgres_restarts": tally.postgres_restarts,
             "rabbitmq_restarts": tally.rabbitmq_restarts,
             "connection_cuts": tally.connection_cuts, "black_holes": tally.black_holes,
-            "lost": len(report.lost), "unexpected": len(report.unexpected),
+            "hostile_rows": len(expected_dead), "forged_ledger_records": tally.forged_records,
+            "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
+            "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
             "order_violations": sum(report.order_violations.values()),
             "left_in_outbox": report.left_in_outbox, "dead_lettered": report.dead_lettered,
@@ -307,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2) + "\n")
         faults = tally.faults
-        ok = (report.ok(max_duplicates=args.batch_size * max(1, faults) * args.relays)
+        ok = (report.ok(max_duplicates=args.batch_size * max(1, faults) * args.relays,
+                        dead_letter_expected=expected_dead)
               and tally.unexpected_exits == 0)
         print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
               else f"\nFAILED: {report.summary()} unexpected_exits={tally.unexpected_exits}"

@@ -38,18 +38,30 @@ class Report:
     dead_lettered: int
     in_doubt: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # The message ids in the dead-letter table (one entry per dead letter).
+    dead_letter_ids: list[str] = field(default_factory=list)
 
     @property
     def duplicates(self) -> int:
         return sum(self.duplicated.values())
 
-    def ok(self, *, max_duplicates: int = 0, dead_letter_expected: int = 0) -> bool:
+    def dead_letter_missing(self, expected: set[str]) -> set[str]:
+        """Rows expected in the dead-letter table (hostile rows) that are not there: lost."""
+        return expected - set(self.dead_letter_ids)
+
+    def ok(self, *, max_duplicates: int = 0, dead_letter_expected: int | set[str] = 0) -> bool:
+        """``dead_letter_expected``: how many dead letters, or exactly which message ids (each
+        once: a hostile row is published never and dead-lettered once)."""
+        if isinstance(dead_letter_expected, set):
+            dead_ok = sorted(self.dead_letter_ids) == sorted(dead_letter_expected)
+        else:
+            dead_ok = self.dead_lettered == dead_letter_expected
         return (
             not self.lost
             and not self.unexpected
             and self.duplicates <= max_duplicates
             and self.left_in_outbox == 0
-            and self.dead_lettered == dead_letter_expected
+            and dead_ok
             and self.in_doubt == 0
         )
 
@@ -153,10 +165,13 @@ def check(
             violations[d.key] += 1
         last[d.key] = max(last.get(d.key, -1), d.seq)
     left = dead = in_doubt = 0
+    dead_ids: list[str] = []
     if conn is not None:
         tables = Tables(table)
         left = _count(conn, sql.SQL("SELECT count(*) FROM {}").format(tables.outbox))
-        dead = _count(conn, sql.SQL("SELECT count(*) FROM {}").format(tables.dead_letter))
+        dead_ids = [row[0] for row in conn.execute(
+            sql.SQL("SELECT message_id FROM {}").format(tables.dead_letter)).fetchall()]
+        dead = len(dead_ids)
         in_doubt = _count(conn, sql.SQL(
             "SELECT count(*) FROM pg_prepared_xacts WHERE starts_with(gid, {})"
         ).format(sql.Literal(gid_prefix + ":")))
@@ -170,6 +185,7 @@ def check(
         left_in_outbox=left,
         dead_lettered=dead,
         in_doubt=in_doubt,
+        dead_letter_ids=dead_ids,
     )
 
 

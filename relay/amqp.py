@@ -53,18 +53,34 @@ def _reason(exc: BaseException) -> str:
 
 
 def declare_ledger(channel: Any, stream: str, max_age: str) -> None:
-    """Declare the ledger stream; a clash with an existing queue of that name is a startup error."""
+    """Declare the ledger: the stream, an exchange of the same name and the binding between them.
+
+    Records go through the ledger's own exchange, so the relays and the resolver need no write
+    permission on the default exchange (a producer row addressed to the ledger is dead-lettered
+    either way). A name the broker refuses (403) or that clashes with an existing queue or
+    exchange (406) is a startup error; a stream whose home node is still recovering (404) is not.
+    """
+    step = "stream"
     try:
         channel.queue_declare(
             queue=stream,
             durable=True,
             arguments={"x-queue-type": "stream", "x-max-age": max_age},
         )
+        step = "exchange"
+        channel.exchange_declare(exchange=stream, exchange_type="direct", durable=True)
+        step = "binding"
+        channel.queue_bind(queue=stream, exchange=stream, routing_key=stream)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code == 406:  # PRECONDITION_FAILED: the name is taken by another queue
             raise StartupCheckError(
-                f"ledger stream {stream!r} cannot be declared ({exc.reply_text}): a queue of "
-                "that name exists with other arguments; set OUTBOX_LEDGER_STREAM"
+                f"ledger {step} {stream!r} cannot be declared ({exc.reply_text}): a queue or "
+                "exchange of that name exists with other arguments; set OUTBOX_LEDGER_STREAM"
+            ) from exc
+        if exc.reply_code == 403:  # ACCESS_REFUSED: retrying cannot help
+            raise StartupCheckError(
+                f"RabbitMQ refused the ledger {step} {stream!r} ({exc.reply_text}): give this "
+                "user configure, write and read permission on it, or set OUTBOX_LEDGER_STREAM"
             ) from exc
         # E.g. 404 "home node ... is down" while a restarted broker recovers its queues.
         raise TransientError(f"ledger stream not available yet: {exc.reply_code}") from exc
@@ -117,21 +133,50 @@ def _poll(impl: Any, done: Callable[[], bool], timeout: float) -> None:
             impl.ioloop.process_timeouts()
 
 
+# Writes handed to the socket at once: small frames are joined up to COALESCE_BYTES; a large
+# frame (a body frame of a big message) goes as it is, so the transport's buffer holds pika's
+# frames themselves instead of a joined copy of a whole batch.
+COALESCE_BYTES = 1 << 20
+LARGE_FRAME_BYTES = 1 << 16
+
+
 @contextmanager
 def coalesced_writes(conn: Any) -> Iterator[None]:
-    """Within the block, hand every frame pika emits to the socket in one write at the end.
+    """Within the block, hand the frames pika emits to the socket in few writes.
 
     pika gives each frame (three per message) to its transport separately, and the transport
     sends each with a send() system call of its own: profiled, that was the largest share of
-    the relay's CPU time. The same bytes go out in the same order, only in fewer system calls.
-    Nothing inside the block may process I/O (publishing does not).
+    the relay's CPU time. The same bytes go out in the same order, only in fewer system calls,
+    and never more than COALESCE_BYTES are copied into one write. Nothing inside the block may
+    process I/O (publishing does not).
     """
     impl = conn._impl
+    emit = impl._adapter_emit_data
     chunks: list[bytes] = []
-    impl._adapter_emit_data = chunks.append  # shadows the method for this block only
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if chunks and impl._transport is not None:
+            emit(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        chunks.clear()
+        size = 0
+
+    def collect(data: bytes) -> None:
+        nonlocal size
+        if len(data) >= LARGE_FRAME_BYTES:
+            flush()
+            if impl._transport is not None:
+                emit(data)
+            return
+        chunks.append(data)
+        size += len(data)
+        if size >= COALESCE_BYTES:
+            flush()
+
+    impl._adapter_emit_data = collect  # shadows the method for this block only
     try:
         yield
     finally:
         del impl._adapter_emit_data
-        if chunks and impl._transport is not None:
-            impl._adapter_emit_data(b"".join(chunks))
+        flush()

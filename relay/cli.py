@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from relay import config, dead_letter, faults, logs, metrics
+from relay import __version__, config, dead_letter, faults, logs, metrics
 from relay.errors import ConfigError, OutboxError, StartupCheckError, TransientError
 from relay.migrate import migrate, schema_sql
 from relay.publisher import AmqpPublisher
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Relay outbox rows from PostgreSQL to RabbitMQ with two-phase commit. "
         "Every flag can also be set by the environment variable shown in its help.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter}")
     run = sub.add_parser("run", help="relay events (the default)")
     config.add_options(run, config.RELAY_OPTIONS)
@@ -76,7 +77,8 @@ def _positive_int(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or (args_list[0].startswith("-") and args_list[0] not in ("-h", "--help")):
+    if not args_list or (args_list[0].startswith("-")
+                         and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
     try:
@@ -118,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()
-    relay_metrics = metrics.RelayMetrics()
+    relay_metrics = metrics.RelayMetrics(confirm_timeout=settings.confirm_timeout)
     health = relay_health(settings)
     store = OutboxStore(settings.database_url, settings.table,
                         connect_timeout=settings.connect_timeout)

@@ -7,11 +7,13 @@ line that names it. Connection URLs are kept whole for connecting and shown only
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import urlsplit
 
 import pika
@@ -29,27 +31,92 @@ _STREAM_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_AGE_RE = re.compile(r"^[1-9][0-9]*(Y|M|D|h|m|s)$")
 
 
+T = TypeVar("T")
+
+# The key of a settings dataclass field's metadata that holds the Option declaring it.
+_OPTION = "outbox_option"
+
+# Largest *_FILE secret read: a URL, not a file system.
+_MAX_SECRET_FILE_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
-class Option:
-    """One setting: its flag, its environment variable, its parser and its help."""
+class Option(Generic[T]):
+    """One setting, declared once: its name (``dest``, the flag is derived from it), its
+    environment variable, its parser (which gives it its type), its default (as the text an
+    environment variable would hold; None: required) and its help.
+
+    ``secret``: the value is never shown, and may come from a file named by ``<env>_FILE``
+    (a mounted secret). ``doc``: Markdown added after the help in docs/configuration.md.
+    A settings dataclass declares a field with ``name: type = OPTION.field()``.
+    """
 
     dest: str
     env: str
-    parse: Callable[[str], Any]
+    parse: Callable[[str], T]
     default: str | None
     help: str
     secret: bool = False
+    doc: str = ""
 
     @property
     def flag(self) -> str:
         return "--" + self.dest.replace("_", "-")
 
+    @property
+    def file_env(self) -> str | None:
+        """``<env>_FILE`` for a secret: the path of a file holding the value."""
+        return self.env + "_FILE" if self.secret else None
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError("must be a positive integer")
-    return value
+    def field(self) -> T:
+        """A dataclass field holding this setting: the default parsed, the Option in metadata.
+
+        Typed as the value (as ``dataclasses.field`` itself is), so a field annotated with
+        another type than the parser returns fails mypy.
+        """
+        metadata = {_OPTION: self}
+        if self.default is None:
+            return cast(T, dataclasses.field(metadata=metadata))
+        return dataclasses.field(default=self.parse(self.default), metadata=metadata)
+
+
+def options_of(settings: type) -> tuple[Option[Any], ...]:
+    """The options a settings dataclass is made of, in field order."""
+    found = []
+    for item in dataclasses.fields(settings):
+        option = item.metadata.get(_OPTION)
+        if not isinstance(option, Option) or option.dest != item.name:
+            raise TypeError(f"{settings.__name__}.{item.name} is not declared as OPTION.field()")
+        found.append(option)
+    return tuple(found)
+
+
+def env_names(options: Sequence[Option[Any]]) -> set[str]:
+    """Every environment variable these options read (``*_FILE`` forms included)."""
+    return {name for o in options for name in (o.env, o.file_env) if name}
+
+
+# Upper bounds: a value beyond them is a typo (or "inf", "1e309", 20 digits) that would
+# overflow a timer, a SQL integer or the broker's own limits later, far from the setting.
+SECONDS_MAX = 7 * 24 * 3600  # one week, for every timeout, delay and interval
+COUNT_MAX = 1_000_000  # rows per batch, attempts
+MESSAGE_BYTES_MAX = 512 * 1024 * 1024  # RabbitMQ refuses a max_message_size above 512 MiB
+BATCH_BYTES_MAX = 16 * 1024**3
+
+
+def _bounded_int(low: int, high: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise ValueError(f"must be {what} from {low} to {high}")
+        return value
+
+    return parse
+
+
+_positive_int = _bounded_int(1, COUNT_MAX, "a positive integer")
+_message_bytes = _bounded_int(1, MESSAGE_BYTES_MAX, "a number of bytes")
+_batch_bytes = _bounded_int(1, BATCH_BYTES_MAX, "a number of bytes")
 
 
 def _port(text: str) -> int:
@@ -59,18 +126,20 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _seconds(text: str, *, zero: bool) -> float:
     value = float(text)
-    if not value > 0:
-        raise ValueError("must be a positive number of seconds")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= SECONDS_MAX):
+        low = "zero or more" if zero else "above zero"
+        raise ValueError(f"must be a number of seconds, {low} and at most {SECONDS_MAX} (a week)")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _seconds(text, zero=False)
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError("must be zero or a positive number of seconds")
-    return value
+    return _seconds(text, zero=True)
 
 
 def _url(*schemes: str) -> Callable[[str], str]:
@@ -86,13 +155,33 @@ class _SafeValueError(ValueError):
     """A refusal whose text never contains the value: shown even for a secret setting."""
 
 
+_AT_HINT = ("has an '@' after its host part: percent-encode '/', '?', '#' and '@' in the user "
+            "name and password (%2F, %3F, %23, %40) and write any other '@' as %40")
+
+
+def _check_authority(text: str, delimiters: str) -> None:
+    """Refuse a URL whose user info seems to hold an unencoded delimiter.
+
+    ``user:pa/ss@host`` parses as host ``user``, port ``pa`` and a path ``/ss@host``: the
+    connection error (or a parser's message) would then show a piece of the password. Such a
+    URL has no ``@`` in its authority (which ends at the first of ``delimiters``) but one later.
+    """
+    rest = text.partition("://")[2]
+    end = min((i for i in (rest.find(d) for d in delimiters) if i >= 0), default=len(rest))
+    if "@" not in rest[:end] and "@" in rest[end:]:
+        raise _SafeValueError(_AT_HINT)
+
+
 def _database_url(text: str) -> str:
     _url("postgresql", "postgres")(text)
+    # libpq looks for the user info up to the first "/" only ("?" and "#" pass through).
+    _check_authority(text, "/")
     try:
         psycopg.conninfo.conninfo_to_dict(text)
     except psycopg.Error:
         # libpq's reason may quote a piece of the password: say only that it does not parse.
-        raise _SafeValueError("is not a PostgreSQL URL libpq can parse") from None
+        raise _SafeValueError("is not a PostgreSQL URL libpq can parse (percent-encode special "
+                              "characters in the user name and password)") from None
     return text
 
 
@@ -100,6 +189,14 @@ def _amqp_url(text: str) -> str:
     """amqp:// or amqps://, and query options pika accepts (ssl_options, heartbeat...): a bad
     one stops the program here, not with a traceback at its first connection attempt."""
     _url("amqp", "amqps")(text)
+    _check_authority(text, "/?#")
+    # The URL without its query first: pika's reason for refusing the host, port or vhost part
+    # may quote it (a piece of a password with an unencoded ":"), so none of it is shown.
+    try:
+        pika.URLParameters(urlsplit(text)._replace(query="", fragment="").geturl())
+    except Exception:
+        raise _SafeValueError("is not a URL pika can parse (check the port, and percent-encode "
+                              "special characters in the user name and password)") from None
     try:
         pika.URLParameters(text)
     except Exception as exc:  # ValueError, TypeError, SyntaxError, OSError (a missing CA file)
@@ -129,6 +226,8 @@ def _gid_prefix(text: str) -> str:
 def _stream(text: str) -> str:
     if not _STREAM_RE.fullmatch(text):
         raise ValueError("must be a queue name of letters, digits and _.:-")
+    if text.startswith("amq."):
+        raise ValueError("must not start with amq. (RabbitMQ reserves those names)")
     return text
 
 
@@ -160,36 +259,107 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
+# -- the settings, each declared once --------------------------------------------------------
+# A new setting: one Option here, then one ``name: type = OPTION.field()`` line in each settings
+# class that reads it. The option lists, --help and docs/configuration.md (``./dev docs``)
+# follow from that.
+
 DATABASE_URL = Option(
     "database_url", "OUTBOX_DATABASE_URL", _database_url, None,
     "PostgreSQL URL; needs a session-mode connection (no transaction-mode pooler)", secret=True,
+    doc="libpq parameters such as `sslmode` pass through (TLS: [operations.md](operations.md#tls))",
 )
 AMQP_URL = Option(
     "amqp_url", "OUTBOX_AMQP_URL", _amqp_url, None,
-    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options, see the README)", secret=True,
+    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options)", secret=True,
+    doc="TLS: [operations.md](operations.md#tls)",
 )
-TABLE = Option("table", "OUTBOX_TABLE", table_name, "outbox", "outbox table ([schema.]name)")
+TABLE = Option(
+    "table", "OUTBOX_TABLE", table_name, "outbox",
+    "outbox table ([schema.]name); the dead-letter table is <name>_dead_letter and the ledger "
+    "key <name>_ledger_key; the resolver exports its backlog and lag and checks ledger records "
+    "with that key (set the relays' value)",
+)
 GID_PREFIX = Option(
     "gid_prefix", "OUTBOX_GID_PREFIX", _gid_prefix, "outbox",
     "prefix of this deployment's prepared-transaction ids; the resolver touches only these",
 )
 LEDGER_STREAM = Option(
     "ledger_stream", "OUTBOX_LEDGER_STREAM", _stream, "outbox.ledger",
-    "RabbitMQ stream that records every fully confirmed batch",
+    "RabbitMQ stream that records every fully confirmed batch, and the name of the ledger's own "
+    "exchange (bound to it); not amq.* (reserved)",
+    doc="a name the broker refuses (403) stops both programs at start (exit 3)",
 )
 LEDGER_MAX_AGE = Option(
     "ledger_max_age", "OUTBOX_LEDGER_MAX_AGE", _max_age, "7D",
     "retention of the ledger stream (x-max-age); keep it longer than any in-doubt window",
 )
+BATCH_SIZE = Option(
+    "batch_size", "OUTBOX_BATCH_SIZE", _positive_int, "2000",
+    "rows claimed per batch (the most a crash can duplicate)",
+    doc="2000 from the benchmark's sweep ([performance.md](performance.md))",
+)
+CONFIRM_TIMEOUT = Option(
+    "confirm_timeout", "OUTBOX_CONFIRM_TIMEOUT", _positive_float, "30",
+    "seconds to wait for the broker's confirms of a batch before failing it",
+)
+MAX_ATTEMPTS = Option(
+    "max_attempts", "OUTBOX_MAX_ATTEMPTS", _positive_int, "10",
+    "failed publishes of a row before it moves to the dead-letter table",
+)
+RETRY_BASE_DELAY = Option(
+    "retry_base_delay", "OUTBOX_RETRY_BASE_DELAY", _non_negative_float, "1",
+    "delay before a failed row is retried; doubles with each attempt",
+)
+RETRY_MAX_DELAY = Option(
+    "retry_max_delay", "OUTBOX_RETRY_MAX_DELAY", _non_negative_float, "300",
+    "longest delay before a failed row is retried",
+)
+POLL_MIN_INTERVAL = Option(
+    "poll_min_interval", "OUTBOX_POLL_MIN_INTERVAL", _non_negative_float, "0.005",
+    "wait after a partial batch; idle waits double from here",
+)
+POLL_MAX_INTERVAL = Option(
+    "poll_max_interval", "OUTBOX_POLL_MAX_INTERVAL", _positive_float, "0.25",
+    "longest wait between polls of an empty outbox",
+)
+MAX_MESSAGE_BYTES = Option(
+    "max_message_bytes", "OUTBOX_MAX_MESSAGE_BYTES", _message_bytes, "134217728",
+    "largest body published; larger rows are dead-lettered (match the broker's max_message_size)",
+    doc="a row whose `row_bytes` exceed it by more than 1 MiB is moved to the dead-letter table "
+        "by the claim itself, never fetched into the relay",
+)
+BATCH_MAX_BYTES = Option(
+    "batch_max_bytes", "OUTBOX_BATCH_MAX_BYTES", _batch_bytes, "16777216",
+    "bytes of row data claimed per batch besides OUTBOX_BATCH_SIZE (the row_bytes column: "
+    "payload, headers, text columns); a batch takes one row at least",
+    doc="the next batch, claimed while this one is confirmed, gets what this one left; bounds "
+        "the relay's memory: [reliability.md](reliability.md#memory)",
+)
+STATS_INTERVAL = Option(
+    "stats_interval", "OUTBOX_STATS_INTERVAL", _positive_float, "5",
+    "seconds between refreshes of the backlog and lag metrics (a query over the whole outbox "
+    "table)",
+    doc="its cost: [operations.md](operations.md#what-the-backlog-and-lag-query-costs)",
+)
 METRICS_HOST = Option(
     "metrics_host", "OUTBOX_METRICS_HOST", str, "0.0.0.0",  # noqa: S104
     "address of the /metrics, /healthz and /readyz endpoints",
 )
+_METRICS_PORT_HELP = (
+    "port of /metrics, /healthz and /readyz (0 disables all three; a port in use is a "
+    "configuration error)"
+)
+RELAY_METRICS_PORT = Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9460", _METRICS_PORT_HELP)
+RESOLVER_METRICS_PORT = Option(
+    "metrics_port", "OUTBOX_METRICS_PORT", _port, "9461", _METRICS_PORT_HELP)
 LOG_LEVEL = Option(
-    "log_level", "OUTBOX_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO", "log level",
+    "log_level", "OUTBOX_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO",
+    "log level: DEBUG, INFO, WARNING or ERROR",
 )
 LOG_FORMAT = Option(
-    "log_format", "OUTBOX_LOG_FORMAT", _choice("text", "json"), "text", "log line format",
+    "log_format", "OUTBOX_LOG_FORMAT", _choice("text", "json"), "text",
+    "log line format: text, or json (one object a line, with a stable action key)",
 )
 CONNECT_TIMEOUT = Option(
     "connect_timeout", "OUTBOX_CONNECT_TIMEOUT", _positive_float, "10",
@@ -199,155 +369,51 @@ RECONNECT_MAX_DELAY = Option(
     "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", _positive_float, "30",
     "longest wait between reconnection attempts (exponential backoff with jitter)",
 )
-
-RELAY_OPTIONS: tuple[Option, ...] = (
-    DATABASE_URL,
-    AMQP_URL,
-    TABLE,
-    GID_PREFIX,
-    LEDGER_STREAM,
-    LEDGER_MAX_AGE,
-    Option("batch_size", "OUTBOX_BATCH_SIZE", _positive_int, "2000", "rows claimed per batch"),
-    Option(
-        "confirm_timeout", "OUTBOX_CONFIRM_TIMEOUT", _positive_float, "30",
-        "seconds to wait for the broker's confirms of a batch before failing it",
-    ),
-    Option(
-        "max_attempts", "OUTBOX_MAX_ATTEMPTS", _positive_int, "10",
-        "failed publishes of a row before it moves to the dead-letter table",
-    ),
-    Option(
-        "retry_base_delay", "OUTBOX_RETRY_BASE_DELAY", _non_negative_float, "1",
-        "delay before a failed row is retried; doubles with each attempt",
-    ),
-    Option(
-        "retry_max_delay", "OUTBOX_RETRY_MAX_DELAY", _non_negative_float, "300",
-        "longest delay before a failed row is retried",
-    ),
-    Option(
-        "poll_min_interval", "OUTBOX_POLL_MIN_INTERVAL", _non_negative_float, "0.005",
-        "wait after a partial batch; idle waits double from here",
-    ),
-    Option(
-        "poll_max_interval", "OUTBOX_POLL_MAX_INTERVAL", _positive_float, "0.25",
-        "longest wait between polls of an empty outbox",
-    ),
-    Option(
-        "max_message_bytes", "OUTBOX_MAX_MESSAGE_BYTES", _positive_int, "134217728",
-        "largest body published; larger rows are dead-lettered (match the broker's max_message_size)",
-    ),
-    Option(
-        "stats_interval", "OUTBOX_STATS_INTERVAL", _positive_float, "5",
-        "seconds between refreshes of the lag and backlog metrics",
-    ),
-    METRICS_HOST,
-    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9460",
-           "port of /metrics, /healthz and /readyz (0 disables)"),
-    LOG_LEVEL,
-    LOG_FORMAT,
-    CONNECT_TIMEOUT,
-    RECONNECT_MAX_DELAY,
+RESOLVER_INTERVAL = Option(
+    "interval", "OUTBOX_RESOLVER_INTERVAL", _positive_float, "2",
+    "seconds between scans of pg_prepared_xacts",
 )
-
-RESOLVER_OPTIONS: tuple[Option, ...] = (
-    DATABASE_URL,
-    AMQP_URL,
-    GID_PREFIX,
-    LEDGER_STREAM,
-    LEDGER_MAX_AGE,
-    Option(
-        "interval", "OUTBOX_RESOLVER_INTERVAL", _positive_float, "2",
-        "seconds between scans of pg_prepared_xacts",
-    ),
-    Option(
-        "hard_limit", "OUTBOX_RESOLVER_HARD_LIMIT", _positive_float, "300",
-        "resolve a prepared batch older than this many seconds even if its relay looks alive",
-    ),
-    Option(
-        "ledger_margin", "OUTBOX_LEDGER_READ_MARGIN", _non_negative_float, "60",
-        "read the ledger from this many seconds before the oldest in-doubt batch (clock skew)",
-    ),
-    Option(
-        "ledger_read_timeout", "OUTBOX_LEDGER_READ_TIMEOUT", _positive_float, "30",
-        "seconds to wait for the resolver's own marker to come back from the ledger",
-    ),
-    METRICS_HOST,
-    Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9461",
-           "port of /metrics, /healthz and /readyz (0 disables)"),
-    LOG_LEVEL,
-    LOG_FORMAT,
-    CONNECT_TIMEOUT,
-    RECONNECT_MAX_DELAY,
+RESOLVER_HARD_LIMIT = Option(
+    "hard_limit", "OUTBOX_RESOLVER_HARD_LIMIT", _positive_float, "300",
+    "resolve a prepared batch older than this many seconds even if its relay looks alive",
 )
-
-
-def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
-    """Add every option as a flag whose help names its environment variable and default."""
-    for option in options:
-        shown = "required" if option.default is None else f"default: {option.default}"
-        parser.add_argument(
-            option.flag,
-            dest=option.dest,
-            metavar=option.env,
-            default=None,
-            help=f"{option.help} [env {option.env}; {shown}]",
-        )
-
-
-def resolve(
-    namespace: argparse.Namespace, options: Sequence[Option], environ: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """Flag, else environment variable, else default; parsed and checked. Raises ConfigError."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for option in options:
-        raw = getattr(namespace, option.dest, None)
-        source = option.flag
-        if raw is None:
-            raw = environ.get(option.env) or None
-            source = option.env
-        if raw is None:
-            raw = option.default
-            source = f"{option.env} (default)"
-        if raw is None:
-            raise ConfigError(f"{option.env} (or {option.flag}) is required")
-        try:
-            values[option.dest] = option.parse(raw)
-        except ValueError as exc:
-            shown = "<hidden>" if option.secret else repr(raw)
-            safe = not option.secret or isinstance(exc, _SafeValueError)
-            detail = str(exc) if safe else _url_hint(option)
-            raise ConfigError(f"{source} {detail} (got {shown})") from None
-    return values
-
-
-def _url_hint(option: Option) -> str:
-    return "is not a valid URL" if option is not AMQP_URL else "must start with amqp:// or amqps://"
+LEDGER_READ_MARGIN = Option(
+    "ledger_margin", "OUTBOX_LEDGER_READ_MARGIN", _non_negative_float, "60",
+    "read the ledger from this many seconds before the oldest in-doubt batch (clock skew)",
+)
+LEDGER_READ_TIMEOUT = Option(
+    "ledger_read_timeout", "OUTBOX_LEDGER_READ_TIMEOUT", _positive_float, "30",
+    "seconds a ledger read may go without receiving a single record before it fails (however "
+    "long the read takes while records keep coming), and the wait for its marker's confirm",
+)
 
 
 @dataclass(frozen=True)
 class RelaySettings:
-    database_url: str
-    amqp_url: str
-    table: str = "outbox"
-    gid_prefix: str = "outbox"
-    ledger_stream: str = "outbox.ledger"
-    ledger_max_age: str = "7D"
-    batch_size: int = 2000
-    confirm_timeout: float = 30.0
-    max_attempts: int = 10
-    retry_base_delay: float = 1.0
-    retry_max_delay: float = 300.0
-    poll_min_interval: float = 0.005
-    poll_max_interval: float = 0.25
-    max_message_bytes: int = 134217728
-    stats_interval: float = 5.0
-    metrics_host: str = "0.0.0.0"  # noqa: S104 - a sidecar's metrics are scraped from outside
-    metrics_port: int = 9460
-    log_level: str = "INFO"
-    log_format: str = "text"
-    connect_timeout: float = 10.0
-    reconnect_max_delay: float = 30.0
+    """What ``outbox-relay run`` reads: each field is one of the options above."""
+
+    database_url: str = DATABASE_URL.field()
+    amqp_url: str = AMQP_URL.field()
+    table: str = TABLE.field()
+    gid_prefix: str = GID_PREFIX.field()
+    ledger_stream: str = LEDGER_STREAM.field()
+    ledger_max_age: str = LEDGER_MAX_AGE.field()
+    batch_size: int = BATCH_SIZE.field()
+    confirm_timeout: float = CONFIRM_TIMEOUT.field()
+    max_attempts: int = MAX_ATTEMPTS.field()
+    retry_base_delay: float = RETRY_BASE_DELAY.field()
+    retry_max_delay: float = RETRY_MAX_DELAY.field()
+    poll_min_interval: float = POLL_MIN_INTERVAL.field()
+    poll_max_interval: float = POLL_MAX_INTERVAL.field()
+    max_message_bytes: int = MAX_MESSAGE_BYTES.field()
+    batch_max_bytes: int = BATCH_MAX_BYTES.field()
+    stats_interval: float = STATS_INTERVAL.field()
+    metrics_host: str = METRICS_HOST.field()
+    metrics_port: int = RELAY_METRICS_PORT.field()
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
+    connect_timeout: float = CONNECT_TIMEOUT.field()
+    reconnect_max_delay: float = RECONNECT_MAX_DELAY.field()
 
     def __post_init__(self) -> None:
         if self.poll_min_interval > self.poll_max_interval:
@@ -358,18 +424,103 @@ class RelaySettings:
 
 @dataclass(frozen=True)
 class ResolverSettings:
-    database_url: str
-    amqp_url: str
-    gid_prefix: str = "outbox"
-    ledger_stream: str = "outbox.ledger"
-    ledger_max_age: str = "7D"
-    interval: float = 2.0
-    hard_limit: float = 300.0
-    ledger_margin: float = 60.0
-    ledger_read_timeout: float = 30.0
-    metrics_host: str = "0.0.0.0"  # noqa: S104
-    metrics_port: int = 9461
-    log_level: str = "INFO"
-    log_format: str = "text"
-    connect_timeout: float = 10.0
-    reconnect_max_delay: float = 30.0
+    """What ``outbox-resolver`` reads: each field is one of the options above."""
+
+    database_url: str = DATABASE_URL.field()
+    amqp_url: str = AMQP_URL.field()
+    gid_prefix: str = GID_PREFIX.field()
+    ledger_stream: str = LEDGER_STREAM.field()
+    ledger_max_age: str = LEDGER_MAX_AGE.field()
+    table: str = TABLE.field()
+    stats_interval: float = STATS_INTERVAL.field()
+    interval: float = RESOLVER_INTERVAL.field()
+    hard_limit: float = RESOLVER_HARD_LIMIT.field()
+    ledger_margin: float = LEDGER_READ_MARGIN.field()
+    ledger_read_timeout: float = LEDGER_READ_TIMEOUT.field()
+    metrics_host: str = METRICS_HOST.field()
+    metrics_port: int = RESOLVER_METRICS_PORT.field()
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
+    connect_timeout: float = CONNECT_TIMEOUT.field()
+    reconnect_max_delay: float = RECONNECT_MAX_DELAY.field()
+
+
+RELAY_OPTIONS: tuple[Option[Any], ...] = options_of(RelaySettings)
+RESOLVER_OPTIONS: tuple[Option[Any], ...] = options_of(ResolverSettings)
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option[Any]]) -> None:
+    """Add every option as a flag whose help names its environment variable and default."""
+    for option in options:
+        shown = "required" if option.default is None else f"default: {option.default}"
+        names = option.env if option.file_env is None else f"{option.env} or {option.file_env}"
+        parser.add_argument(
+            option.flag,
+            dest=option.dest,
+            metavar=option.env,
+            default=None,
+            help=f"{option.help} [env {names}; {shown}]",
+        )
+
+
+def resolve(
+    namespace: argparse.Namespace, options: Sequence[Option[Any]],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Flag, else environment variable (or, for a secret, the file its ``*_FILE`` variable
+    names), else default; parsed and checked. Raises ConfigError with one line naming the
+    setting, never showing a secret's value."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option in options:
+        raw = getattr(namespace, option.dest, None)
+        source = option.flag
+        if raw is None:
+            raw = environ.get(option.env) or None
+            source = option.env
+            file_env = option.file_env
+            path = environ.get(file_env) or None if file_env else None
+            if file_env and path is not None:
+                if raw is not None:
+                    raise ConfigError(f"{option.env} and {file_env} are both set: set only one")
+                raw, source = read_secret_file(file_env, path), file_env
+        if raw is None:
+            raw = option.default
+            source = f"{option.env} (default)"
+        if raw is None:
+            also = f", {option.file_env}" if option.file_env else ""
+            raise ConfigError(f"{option.env} (or {option.flag}{also}) is required")
+        try:
+            values[option.dest] = option.parse(raw)
+        except ValueError as exc:
+            shown = "<hidden>" if option.secret else repr(raw)
+            safe = not option.secret or isinstance(exc, _SafeValueError)
+            detail = str(exc) if safe else _url_hint(option)
+            raise ConfigError(f"{source} {detail} (got {shown})") from None
+    return values
+
+
+def read_secret_file(variable: str, path: str) -> str:
+    """The value a mounted secret file holds, without the line end an editor or ``echo`` adds.
+
+    Every failure is one line naming the variable and the path, never a byte of the content.
+    """
+    try:
+        with open(path, "rb") as secret:
+            data = secret.read(_MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{variable} names a file that cannot be read: {path!r} ({reason})") from None
+    if len(data) > _MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{variable} names a file larger than 64 KiB: {path!r}")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{variable} names a file that is not UTF-8 text: {path!r}") from None
+    if not text:
+        raise ConfigError(f"{variable} names an empty file: {path!r}")
+    return text
+
+
+def _url_hint(option: Option[Any]) -> str:
+    return "is not a valid URL" if option is not AMQP_URL else "must start with amqp:// or amqps://"

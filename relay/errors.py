@@ -23,6 +23,34 @@ class BatchFailed(OutboxError):
     """The broker did not confirm every message of a batch; it must be rolled back."""
 
 
+class InvalidEvent(OutboxError, ValueError):
+    """An event the relay could never publish (or PostgreSQL could not store), refused by the
+    producer API before its INSERT: ``field`` names the argument at fault, ``reason`` says why
+    (for a relay rule, the reason the relay would dead-letter the row with), ``index`` is the
+    event's position in a batch (None for a single event)."""
+
+    def __init__(self, field: str, reason: str, *, index: int | None = None) -> None:
+        self.field = field
+        self.reason = reason
+        self.index = index
+        where = "" if index is None else f"event {index}: "
+        super().__init__(f"{where}{field}: {reason}")
+
+
+class NotInTransaction(OutboxError):
+    """The caller's connection has no transaction open and commits every statement by itself:
+    an event written there would not commit or roll back with the caller's own change."""
+
+
+class InboxError(OutboxError):
+    """The inbox was used in a way that cannot keep its promise (see the message)."""
+
+
+class LedgerMissing(BatchFailed):
+    """The ledger stream or its exchange is gone (deleted while we ran): declare it again
+    before claiming anything, or batches would be published with no ledger behind them."""
+
+
 def first_line(text: str) -> str:
     """The first line of ``text`` without surrounding blanks ("" for blank text): error texts
     of libpq and pika run over several lines, logs and probe bodies want one."""

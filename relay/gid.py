@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 # A gid is a string literal under 200 bytes that cannot be a bind parameter: keep the
 # alphabet boring so quoting can never matter, and keep it short.
-PREFIX_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-_GID_RE = re.compile(r"^(?P<prefix>[a-z][a-z0-9_-]{0,31}):(?P<instance>[0-9a-f]{8}):(?P<seq>[0-9]{1,19})$")
+# \A and \Z, never ^ and $: "$" also matches before a trailing newline.
+PREFIX_RE = re.compile(r"\A[a-z][a-z0-9_-]{0,31}\Z")
+_GID_RE = re.compile(r"\A(?P<prefix>[a-z][a-z0-9_-]{0,31}):(?P<instance>[0-9a-f]{8}):(?P<seq>[0-9]{1,19})\Z")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Gid:
     @classmethod
     def parse(cls, text: str) -> Gid | None:
         """Parse a gid of ours; ``None`` for any other string (foreign transactions)."""
-        match = _GID_RE.match(text)
+        match = _GID_RE.fullmatch(text)
         if match is None:
             return None
         return cls(match["prefix"], int(match["instance"], 16), int(match["seq"]))

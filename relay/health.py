@@ -40,7 +40,7 @@ class Health:
         self._stopping = False
 
     def beat(self) -> None:
-        """The loop is turning (also called while it waits to reconnect: see README)."""
+        """The loop is turning (also called while it waits to reconnect: docs/operations.md, probes)."""
         now = self._clock()
         with self._lock:
             self._last_beat = now

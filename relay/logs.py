@@ -13,10 +13,11 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"messa
 
 
 # A safety net under "never log a password": the programs never put a URL's password in a
-# message, but a library's exception text might. URL userinfo passwords and libpq's
-# key=value ``password=...`` are masked in every line, whatever logger wrote it.
-_URL_PASSWORD_RE = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)[^\s/]+@")
-_KV_PASSWORD_RE = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+# message, but a library's exception text might. URL userinfo passwords (up to the last "@" of
+# the URL, so an unencoded "/", "#", "?" or "@" in one is covered) and libpq's key=value
+# ``password=...`` and ``sslpassword=...`` are masked in every line, whatever logger wrote it.
+_URL_PASSWORD_RE = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)\S+@")
+_KV_PASSWORD_RE = re.compile(r"(\b\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
 def redact(text: str) -> str:

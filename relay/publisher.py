@@ -19,14 +19,20 @@ import pika
 import pika.exceptions
 import pika.spec
 
-from relay import amqp, ledger
-from relay.errors import BatchFailed, TransientError
+from relay import amqp
+from relay.errors import BatchFailed, LedgerMissing, TransientError
 
 log = logging.getLogger(__name__)
 
 EXCHANGE_CACHE_SECONDS = 30.0
 # How long a graceful close waits for the broker before dropping the socket.
 CLOSE_TIMEOUT = 2.0
+# pika's (and RabbitMQ's) default frame_max, until a connection negotiated its own.
+DEFAULT_FRAME_MAX = 131072
+# Connection.Close codes by which the broker refuses what we sent (a frame too large for
+# frame_max, a malformed one), not a shutdown (320) or its own failure (541): the messages in
+# flight are suspects, like those of a closed channel, and an attempt is counted for them.
+REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class AmqpPublisher:
         self._by_message_id: dict[str, int] = {}
         self._result = PublishResult()
         self._closed_reason: str | None = None
+        self._closed_code: int | None = None
 
     # -- connection -------------------------------------------------------------------------
 
@@ -128,6 +135,7 @@ class AmqpPublisher:
             raise
         self._next_tag = 1
         self._closed_reason = None
+        self._closed_code = None
         # The programs log "rabbitmq connected/reconnected" themselves (action connected).
         log.debug("connected to RabbitMQ", extra={"action": "amqp_connected"})
 
@@ -137,6 +145,15 @@ class AmqpPublisher:
         conn, self._conn, self._channel, self._probe = self._conn, None, None, None
         if conn is not None and conn.is_open:
             amqp.close(conn, CLOSE_TIMEOUT if handshake else 0)
+
+    @property
+    def frame_max(self) -> int:
+        """The frame_max negotiated with the broker: a message's header frame (its properties,
+        headers included) must fit in one frame, or the broker closes the whole connection."""
+        conn = self._conn
+        if conn is None:
+            return DEFAULT_FRAME_MAX
+        return int(getattr(conn._impl.params, "frame_max", DEFAULT_FRAME_MAX))
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""
@@ -196,6 +213,14 @@ class AmqpPublisher:
                 self._flush()  # the broker gets the batch before we turn to something else
                 while_waiting()
             self._wait_for_confirms()
+        except pika.exceptions.ConnectionClosedByBroker as exc:
+            if exc.reply_code in REFUSED_FRAME_CODES:
+                # The broker refused something we sent: one of the unconfirmed rows.
+                self._closed_reason = (f"connection closed by the broker: {exc.reply_code} "
+                                       f"{exc.reply_text}")
+                self._closed_code = exc.reply_code
+            else:
+                self._result.transient = f"RabbitMQ connection lost: {exc!r}"
         except amqp.CONNECTION_ERRORS as exc:
             self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
         self._settle_unconfirmed()
@@ -206,8 +231,18 @@ class AmqpPublisher:
             return  # the broker closed the channel; the rest stays unconfirmed
         with amqp.coalesced_writes(self._conn):
             for m in messages:
-                self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
-                                            body=m.body, properties=m.properties, mandatory=True)
+                try:
+                    self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
+                                                body=m.body, properties=m.properties,
+                                                mandatory=True)
+                except amqp.CONNECTION_ERRORS:
+                    raise
+                except Exception as exc:
+                    # pika marshals a message's frames before writing any: nothing was sent,
+                    # no delivery tag used. A row whose content pika cannot encode (which
+                    # relay.messages should have refused) fails alone; the relay goes on.
+                    self._result.failed[m.row_id] = f"cannot be encoded: {exc!r}"[:500]
+                    continue
                 self._pending[self._next_tag] = m.row_id
                 self._next_tag += 1
 
@@ -233,18 +268,22 @@ class AmqpPublisher:
 
     # -- step 4 -------------------------------------------------------------------------------
 
-    def record_batch(self, gid: str, count: int, instance: str) -> None:
-        """Publish the batch's ledger record and wait for its confirm."""
-        self.append_ledger(ledger.batch_record(gid, count, instance), message_id=gid)
+    def record_batch(self, gid: str, record: bytes) -> None:
+        """Publish the batch's (signed) ledger record and wait for its confirm."""
+        self.append_ledger(record, message_id=gid)
 
     def append_ledger(self, body: bytes, *, message_id: str) -> None:
-        """Append one record to the ledger stream; raise BatchFailed unless it is confirmed."""
+        """Append one record to the ledger through its exchange; raise BatchFailed unless it is
+        confirmed, LedgerMissing if the stream or its exchange no longer exists."""
         properties = pika.BasicProperties(delivery_mode=2, message_id=message_id,
                                           content_type="application/json")
-        result = self.publish_batch(
-            [Message(0, message_id, "", self._ledger_stream, body, properties)])
+        stream = self._ledger_stream
+        result = self.publish_batch([Message(0, message_id, stream, stream, body, properties)])
         if not result.complete(1):
             reason = result.transient or next(iter({**result.failed, **result.suspect}.values()))
+            if reason.startswith("unroutable") or (result.suspect and self._closed_code == 404):
+                # No binding (the stream was deleted) or no exchange: nothing records batches.
+                raise LedgerMissing(f"ledger stream {stream!r} is gone ({reason})")
             raise BatchFailed(f"ledger record not confirmed: {reason}")
 
     @property
@@ -281,8 +320,10 @@ class AmqpPublisher:
 
     def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
         self._closed_reason = f"channel closed by the broker: {reason}"
-        if isinstance(reason, pika.exceptions.ChannelClosedByBroker) and reason.reply_code == 404:
-            self._known_exchanges = {"": float("inf")}
+        if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+            self._closed_code = reason.reply_code
+            if reason.reply_code == 404:
+                self._known_exchanges = {"": float("inf")}
 
     def _flush(self) -> None:
         self._conn.process_data_events(time_limit=0)

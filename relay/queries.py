@@ -23,12 +23,23 @@ def _store_queries() -> dict[str, str]:
     return parse_named(resources.files("relay").joinpath("queries.sql").read_text("utf-8"))
 
 
-def schema_text() -> str:
-    """The schema template: top-level ``sql/schema.sql``, shipped in wheels as ``relay.schema``."""
+@cache
+def api_queries() -> dict[str, str]:
+    """The named queries of the services' API (``api.sql``: relay.producer, relay.inbox)
+    without their full-line comments: they also run through SQLAlchemy's text(), which would
+    read a ``:word`` inside a comment as a parameter."""
+    text = resources.files("relay").joinpath("api.sql").read_text("utf-8")
+    return {name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
+            for name, body in parse_named(text).items()}
+
+
+def schema_text(name: str = "schema.sql") -> str:
+    """A schema template of the top-level ``sql/`` folder (``schema.sql``: the outbox;
+    ``inbox.sql``: the consumers' inbox), shipped in wheels as ``relay.schema``."""
     try:
-        return resources.files("relay.schema").joinpath("schema.sql").read_text("utf-8")
+        return resources.files("relay.schema").joinpath(name).read_text("utf-8")
     except ModuleNotFoundError:  # imported from a source checkout that is not installed
-        return (Path(__file__).resolve().parent.parent / "sql" / "schema.sql").read_text("utf-8")
+        return (Path(__file__).resolve().parent.parent / "sql" / name).read_text("utf-8")
 
 
 class Tables:
@@ -38,8 +49,10 @@ class Tables:
         *schema, name = table.split(".")
         self.name = table
         self.dead_letter_name = ".".join([*schema, f"{name}_dead_letter"])
+        self.ledger_key_name = ".".join([*schema, f"{name}_ledger_key"])
         self.outbox = sql.Identifier(*schema, name)
         self.dead_letter = sql.Identifier(*schema, f"{name}_dead_letter")
+        self.ledger_key = sql.Identifier(*schema, f"{name}_ledger_key")
         self.message_id_index = sql.Identifier(f"{name}_message_id_key")
         self.retry_index = sql.Identifier(f"{name}_retry_idx")
 
@@ -47,6 +60,9 @@ class Tables:
         return sql.SQL(template).format(
             outbox=self.outbox,
             dead_letter=self.dead_letter,
+            # The quoted name as a string literal, for regclass casts.
+            dead_letter_text=sql.Literal(self.dead_letter.as_string(None)),
+            ledger_key=self.ledger_key,
             message_id_index=self.message_id_index,
             retry_index=self.retry_index,
         )

@@ -4,76 +4,160 @@
 -- name: claim
 -- Step 1 of the protocol. Lock due rows without waiting on anyone's locks and delete them in
 -- the same statement, so the claim changes the claimed rows themselves. A row that failed
--- before (attempts > 0) is claimed alone: a poison row then fails only its own batch.
-WITH retry AS (
-    SELECT id FROM {outbox}
-    WHERE attempts > 0 AND available_at <= now()
-    ORDER BY available_at
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-), fresh AS (
-    SELECT id FROM {outbox}
-    WHERE attempts = 0 AND available_at <= now() AND NOT EXISTS (SELECT FROM retry)
-    ORDER BY id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+-- before (attempts > 0) is claimed alone: a poison row then fails only its own batch; fresh
+-- rows are claimed only when no such row is due (coalesce never evaluates its second ARRAY
+-- then, so no fresh row is locked for nothing). attempts is a producer's column too: a
+-- negative value counts as fresh.
+--
+-- A batch holds at most %(limit)s rows and about %(max_bytes)s bytes of row data (row_bytes,
+-- computed by PostgreSQL at insert: what the relay fetches of a row), and always one row at
+-- least. The budget cuts the locked rows in id order; rows locked beyond it stay locked
+-- until the batch ends, so the relay asks for about twice the rows that fit last time
+-- (store.py). A row over %(max_row_bytes)s bytes (OUTBOX_MAX_MESSAGE_BYTES plus room for
+-- headers) is never fetched: this statement moves it to the dead-letter table itself
+-- (oversized) and returns only its id, message_id and reason.
+--
+-- Every column comes in a form psycopg always loads, whatever a producer wrote: the body as
+-- bytea (fetched in binary), headers as JSON text (decoded row by row in Python), created_at
+-- as float8 epoch seconds (+-Infinity for 'infinity') and as text for a dead-letter copy.
+--
+-- Every plan of this statement is linear in the batch, whatever the planner believes about
+-- the table (an outbox swings between empty and full, and its statistics lag behind):
+-- - Each ARRAY(SELECT ...) is an InitPlan: run once, at most once, never rescanned per row.
+--   (`id IN (SELECT ... FROM cte)` let the planner build a nested loop that rescanned the CTE
+--   for every outbox row: 50,000 x 2,000 tuple copies, seconds per claim.) The budget's
+--   window functions run over the locked rows, inside the InitPlan.
+-- - The claim session never prepares it server-side (store.py: no generic plan cached while
+--   the table looked empty) and plans with sequential scans off: even a plan made for an
+--   empty table walks the primary key in id order and stops after the batch (the retry
+--   branch walks outbox_retry_idx), and the DELETE finds its rows by primary key. A
+--   sequential scan would read the whole table per claim, and test each row against the
+--   whole id array.
+-- - The CTE of the deleted rows is read twice (for the oversized rows and by the final
+--   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
+--   each a scan of the batch; there is no join.
+-- What a claim still reads beyond its batch: due rows are found in id order, so rows that
+-- are not due (a producer's future available_at, rows waiting for a retry) and dead index
+-- entries that VACUUM may not remove yet (a long snapshot elsewhere) ahead of the first due
+-- row are stepped over at every claim (see the README, Performance).
+WITH claimed AS (
+    DELETE FROM {outbox}
+    WHERE id = ANY(coalesce(
+        nullif(ARRAY(SELECT id FROM {outbox}
+                     WHERE attempts > 0 AND available_at <= now()
+                     ORDER BY available_at
+                     LIMIT 1
+                     FOR UPDATE SKIP LOCKED), '{{}}'),
+        ARRAY(SELECT id
+              FROM (SELECT id,
+                           row_number() OVER w AS n,
+                           sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0 ELSE row_bytes END)
+                               OVER w AS taken
+                    FROM (SELECT id, row_bytes FROM {outbox}
+                          WHERE attempts <= 0 AND available_at <= now()
+                          ORDER BY id
+                          LIMIT %(limit)s
+                          FOR UPDATE SKIP LOCKED) AS locked
+                    WINDOW w AS (ORDER BY id)) AS budgeted
+              WHERE n = 1 OR taken <= %(max_bytes)s)))
+    RETURNING *
+), oversized AS (
+    SELECT *, CASE WHEN coalesce(octet_length(payload_bytes), octet_length(payload::text))
+                        > %(max_message_bytes)s
+                   THEN format('payload of %%s bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=%%s',
+                               coalesce(octet_length(payload_bytes), octet_length(payload::text)),
+                               %(max_message_bytes)s)
+                   ELSE format('row of %%s bytes (payload, headers and text columns) exceeds the '
+                               '%%s bytes the relay fetches of one row', row_bytes,
+                               %(max_row_bytes)s)
+              END AS reason
+    FROM claimed
+    WHERE row_bytes > %(max_row_bytes)s
+), moved AS (
+    -- No RETURNING: the relays' role needs no SELECT on the dead-letter table for it.
+    INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key,
+                               payload, payload_bytes, headers, content_type, created_at,
+                               attempts, last_error)
+    SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
+           content_type, created_at, least(attempts, 2147483646) + 1, reason
+    FROM oversized
 )
-DELETE FROM {outbox}
-WHERE id IN (SELECT id FROM retry UNION ALL SELECT id FROM fresh)
-RETURNING id, message_id, exchange, routing_key, ordering_key, payload::text, payload_bytes,
-          headers, content_type, created_at, attempts, last_error;
+SELECT id, message_id, exchange, routing_key, ordering_key,
+       coalesce(payload_bytes, convert_to(payload::text, 'UTF8')) AS body,
+       payload IS NOT NULL AS is_json, headers::text AS headers, content_type,
+       extract(epoch FROM created_at)::float8 AS created_epoch, created_at::text AS created_at,
+       attempts, row_bytes, NULL::text AS dead_reason
+FROM claimed
+WHERE row_bytes <= %(max_row_bytes)s
+UNION ALL
+SELECT id, message_id, '', '', NULL, '\x'::bytea, false, '{{}}', NULL, 0::float8, '',
+       least(attempts, 2147483646) + 1, 0::bigint, reason
+FROM oversized;
 
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
--- transaction: it is committed together with the batch, or rolled back with it.
-INSERT INTO {dead_letter} (id, message_id, exchange, routing_key, ordering_key, payload,
+-- transaction: it is committed together with the batch, or rolled back with it. The dead
+-- letter gets an id of its own (no conflict can drop it); outbox_id keeps the row's.
+INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
                            payload_bytes, headers, content_type, created_at, attempts, last_error)
 VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
-        %(payload)s::jsonb, %(payload_bytes)s, %(headers)s, %(content_type)s, %(created_at)s,
-        %(attempts)s + 1, %(error)s)
-ON CONFLICT (id) DO NOTHING;
+        %(payload)s::jsonb, %(payload_bytes)s, %(headers)s::jsonb, %(content_type)s,
+        %(created_at)s::timestamptz, least(%(attempts)s, 2147483646) + 1, %(error)s);
 
 -- name: forget_delivered
 -- After a failed batch was rolled back: rows the broker did confirm are delivered; remove them
 -- so the retry does not publish them again. Rows another relay has claimed meanwhile are left
--- to it.
+-- to it. This and the next two statements run on the main session in one transaction with
+-- sequential scans off (store.py), and lock their rows in an ARRAY(...) InitPlan, run once:
+-- every plan finds the given ids by primary key, linear in their number.
 DELETE FROM {outbox}
-WHERE id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED);
+WHERE id = ANY(ARRAY(SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED));
 
 -- name: record_failures
 -- Outside the rolled-back transaction: count the attempt, keep the error, back off
--- exponentially (with jitter) before the row is due again.
+-- exponentially (with jitter) before the row is due again. %(errors)s is a jsonb object from
+-- each row id (as text) to its error: each row looks its error up in it (a binary search),
+-- where a join with unnest(ids, errors) could be planned as a nested loop rescanning the
+-- unnest for every row. attempts is a producer's column too: clamped, so no value of it can
+-- make this fail.
 UPDATE {outbox} AS o
-SET attempts = o.attempts + 1,
-    last_error = f.error,
+SET attempts = greatest(least(o.attempts, 2147483646), 0) + 1,
+    last_error = %(errors)s::jsonb ->> o.id::text,
     available_at = now() + make_interval(secs =>
-        least(%(max_delay)s::float8, %(base_delay)s::float8 * power(2, o.attempts))
+        least(%(max_delay)s::float8,
+              %(base_delay)s::float8 * power(2, least(greatest(o.attempts, 0), 60)))
         * (0.75 + random() / 2))
-FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
-WHERE o.id = f.id
-  AND o.id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED);
+WHERE o.id = ANY(ARRAY(SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED));
 
 -- name: dead_letter_exhausted
--- Rows out of attempts move to the dead-letter table in one statement.
+-- Rows out of attempts move to the dead-letter table in one statement (the CTE is read once,
+-- by the INSERT; each dead letter gets an id of its own: nothing deleted here can fail to
+-- arrive there).
 WITH moved AS (
     DELETE FROM {outbox}
-    WHERE id IN (SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) AND attempts >= %(max_attempts)s
-                 FOR UPDATE SKIP LOCKED)
+    WHERE id = ANY(ARRAY(SELECT id FROM {outbox}
+                         WHERE id = ANY(%(ids)s) AND attempts >= %(max_attempts)s
+                         FOR UPDATE SKIP LOCKED))
     RETURNING *
 )
-INSERT INTO {dead_letter} (id, message_id, exchange, routing_key, ordering_key, payload,
+INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
                            payload_bytes, headers, content_type, created_at, attempts, last_error)
 SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
        content_type, created_at, attempts, coalesce(last_error, 'unknown error')
 FROM moved
-ON CONFLICT (id) DO NOTHING
-RETURNING id;
+RETURNING outbox_id;
 
 -- name: stats
 -- Backlog size and lag: the age of the oldest row not yet published (claimed rows included,
--- they are not published until their batch commits).
+-- they are not published until their batch commits). One pass over the table in every plan
+-- (a count needs it), every stats_interval on the main session, never on the claim path.
+-- created_at is a producer's column: an 'infinity' is left out and the arithmetic is in
+-- float8, so no value can make this fail.
 SELECT count(*) AS backlog,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS lag_seconds
+       coalesce(greatest(extract(epoch FROM now())::float8
+                         - extract(epoch FROM min(created_at)
+                                   FILTER (WHERE isfinite(created_at)))::float8, 0),
+                0) AS lag_seconds
 FROM {outbox};
 
 -- name: server_check
@@ -88,10 +172,17 @@ SELECT pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
 -- name: instance_unlock
 SELECT pg_advisory_unlock(%(class)s, %(instance)s);
 
+-- name: ledger_key
+-- The key that signs ledger records (readable by the relays' role only), and this database's
+-- name, which every batch record carries.
+SELECT key, current_database() FROM {ledger_key} WHERE singleton;
+
 -- name: prepared_of_prefix
--- This database's prepared transactions with our gid prefix; anything else is not ours.
+-- This database's prepared transactions with our gid prefix; anything else is not ours. The
+-- xid and database are what a batch's ledger record must name.
 SELECT gid, prepared, owner,
-       extract(epoch FROM now() - prepared)::float8 AS age_seconds
+       extract(epoch FROM now() - prepared)::float8 AS age_seconds,
+       transaction::text::bigint AS xid, database
 FROM pg_prepared_xacts
 WHERE database = current_database() AND starts_with(gid, %(prefix)s)
 ORDER BY prepared;

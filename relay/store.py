@@ -29,20 +29,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class OutboxRow:
-    """A claimed outbox row."""
+    """A claimed outbox row, as raw as the claim can fetch it: nothing a producer writes can
+    fail the fetch of a batch. Each row is decoded on its own (``relay.messages.to_message``)."""
 
     id: int
     message_id: str
     exchange: str
     routing_key: str
     ordering_key: str | None
-    payload: str | None  # JSON text
-    payload_bytes: bytes | None
-    headers: Any
+    body: bytes  # the payload's JSON text in UTF-8, or payload_bytes
+    is_json: bool  # payload (jsonb) rather than payload_bytes
+    headers: str  # the headers' JSON text
     content_type: str | None
-    created_at: datetime
+    created_epoch: float  # created_at in epoch seconds: may be +-inf, negative, past year 9999
+    created_at: str  # created_at as text, as the claim session prints it (its dead-letter copy)
     attempts: int
-    last_error: str | None
+    row_bytes: int = 0  # what the claim fetched of the row (the row_bytes column)
+    # Set when the claim itself moved the row to the dead-letter table, too big to be fetched
+    # (nothing but id, message_id and attempts is filled in then): the reason.
+    dead_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class PreparedXact:
     prepared: datetime
     owner: str
     age_seconds: float
+    xid: int = 0  # pg_prepared_xacts.transaction
+    database: str = ""
 
 
 # libpq's TCP settings unless the URL sets them: a silent partition is noticed in about 30 s,
@@ -77,6 +84,37 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
     except psycopg.OperationalError as exc:
         # libpq's message names host and port, never the password.
         raise TransientError(f"cannot connect to PostgreSQL: {describe(exc)}") from exc
+
+
+# Planner guards of the relay's sessions. An outbox swings between empty and full and its
+# statistics lag behind, so a plan must be good in any state the planner may believe in:
+# - No statement is prepared server-side (psycopg would after 5 executions). A prepared
+#   statement may keep a generic plan built while the table was empty (0 pages after VACUUM
+#   truncated it: every scan then costs nothing) and use it on 150,000 rows until autovacuum
+#   invalidates it, minutes later. Unprepared, each statement is planned against the table's
+#   current size, with its parameters; planning the claim costs well under a millisecond.
+# - Sequential scans off wherever a statement touches a batch of rows (the claim session,
+#   and the failure bookkeeping's transaction): such a statement always has an index path
+#   linear in the batch, and a plan built on an empty table would otherwise read the whole
+#   table, testing each row against the batch's id array. Not for the stats, whose count
+#   needs a full pass anyway (and would be JIT-compiled under the disabled scan's huge cost).
+CLAIM_SESSION_SETUP = "SET enable_seqscan = off"
+# Bytes a row may hold besides its payload (headers, text columns) and still be fetched: a
+# header table has to fit the broker's frame_max (128 KiB) anyway.
+ROW_HEADROOM = 1 << 20
+BATCH_STATEMENTS_SETUP = "SET LOCAL enable_seqscan = off"
+
+
+def without_prepare(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """Never prepare a statement server-side on ``conn`` (see above)."""
+    conn.prepare_threshold = None
+    return conn
+
+
+def claim_session(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """Make ``conn`` a claim session: no server-side prepare, plans with sequential scans off."""
+    without_prepare(conn).execute(CLAIM_SESSION_SETUP)
+    return conn
 
 
 def _usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
@@ -123,6 +161,31 @@ def missing_schema(tables: Tables) -> StartupCheckError:
     """The one-line error for an outbox or dead-letter table that does not exist."""
     return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not "
                              "exist: run `outbox-relay migrate` first")
+
+
+def read_ledger_key(conn: psycopg.Connection[Any], tables: Tables) -> tuple[bytes, str]:
+    """(the ledger key, this database's name); a missing or unreadable key is a startup error:
+    without it no ledger record can be signed or believed."""
+    name = tables.ledger_key_name
+    try:
+        row = conn.execute(tables.query("ledger_key")).fetchone()
+    except psycopg.errors.UndefinedTable:
+        raise StartupCheckError(f"table {name!r} (the ledger key) does not exist: run "
+                                "`outbox-relay migrate`") from None
+    except psycopg.errors.InsufficientPrivilege:
+        raise StartupCheckError(
+            f"permission denied reading {name!r} (the ledger key): the relays and the resolver "
+            "need SELECT on it (sql/roles.sql); run `outbox-relay migrate`, then roles.sql") from None
+    if row is None or row[0] is None or len(bytes(row[0])) < 16:
+        raise StartupCheckError(f"table {name!r} holds no ledger key: run `outbox-relay migrate`")
+    return bytes(row[0]), str(row[1])
+
+
+def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float]:
+    """(backlog rows, lag seconds) of the whole outbox table, for the metrics."""
+    row = conn.execute(tables.query("stats")).fetchone()
+    assert row is not None
+    return int(row[0]), float(row[1])
 
 
 def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:
@@ -199,6 +262,13 @@ class OutboxStore:
         self._conn: psycopg.Connection[Any] | None = None
         self._claim_conn: psycopg.Connection[Any] | None = None
         self._claim = self.tables.query("claim")
+        # Rows asked for per claim while the byte budget binds: about twice what fit last time,
+        # so few rows are locked beyond the budget (they stay locked until the batch ends).
+        self._fitting: int | None = None
+        # Read on connect: the key that signs this relay's ledger records, and the database's
+        # name, which every record carries.
+        self.ledger_key = b""
+        self.database = ""
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -218,17 +288,23 @@ class OutboxStore:
     def connect(self, lock_class: int, instance: int) -> None:
         """Connect, check the server and schema, and take this relay's instance lock."""
         self.close()
-        self._conn = connect(self._url, timeout=self._connect_timeout,
-                             application_name=self._application_name)
+        self._conn = without_prepare(connect(self._url, timeout=self._connect_timeout,
+                                             application_name=self._application_name))
         check_server(self._conn, self.tables)
+        self.ledger_key, self.database = read_ledger_key(self._conn, self.tables)
         # The lock lives as long as this session: the resolver takes it to learn we are gone.
         if not try_instance_lock(self._conn, lock_class, instance):
             self.close()
             raise TransientError("instance lock busy (a resolver is checking it); retrying")
         try:
-            self._claim_conn = connect(self._url, timeout=self._connect_timeout,
-                                       application_name=f"{self._application_name} claim")
-        except TransientError:
+            self._claim_conn = claim_session(connect(
+                self._url, timeout=self._connect_timeout,
+                application_name=f"{self._application_name} claim"))
+            # created_at travels as text from the claim to a dead-letter insert on this session:
+            # one fixed, unambiguous form.
+            self._claim_conn.execute("SET datestyle TO ISO, YMD")
+            self._claim_conn.execute("SET timezone TO UTC")
+        except (TransientError, psycopg.Error):
             self.close()
             raise
 
@@ -250,20 +326,41 @@ class OutboxStore:
                 self.close()
                 return
 
-    def claim(self, limit: int) -> list[OutboxRow]:
-        """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED)."""
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = 134217728) -> list[OutboxRow]:
+        """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
+        ``max_bytes`` of row data at most (one row at least). A row too big to ever publish is
+        moved to the dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
+
+        Fetched in binary: the body (bytea) arrives as it is, not hex-encoded. Every column is
+        of a type psycopg always loads (headers as text, created_at as float8 and text).
+        """
+        asked = min(limit, self._fitting or limit)
         conn = self.claim_conn
         conn.execute("BEGIN")
-        cur = conn.execute(self._claim, {"limit": limit})
-        # RETURNING follows the executor, not ORDER BY: publish in insert order.
-        return sorted((OutboxRow(*row) for row in cur.fetchall()), key=lambda r: r.id)
+        # prepare=False: never a cached generic plan (see CLAIM_SESSION_SETUP and queries.sql).
+        with conn.cursor(binary=True) as cur:
+            cur.execute(self._claim, {
+                "limit": asked, "max_bytes": max_bytes, "max_message_bytes": max_message_bytes,
+                "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
+            rows = sorted((OutboxRow(*row) for row in cur.fetchall()), key=lambda r: r.id)
+        # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
+        fetched = sum(r.row_bytes for r in rows)
+        if len(rows) < asked and 2 * fetched >= max_bytes:
+            self._fitting = max(1, 2 * len(rows))  # the budget cut this claim
+        elif len(rows) >= asked and self._fitting is not None:
+            self._fitting = None if 2 * asked >= limit else 2 * asked
+        return rows
 
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None:
-        """Inside the claim transaction: rows that can never be published go to dead letter."""
+        """Inside the claim transaction: rows that can never be published go to dead letter,
+        with the values the claim fetched (created_at as text from this same session, so it
+        goes back exactly as it was, 'infinity' and BC dates included)."""
         params = [
             {"id": r.id, "message_id": r.message_id, "exchange": r.exchange,
-             "routing_key": r.routing_key, "ordering_key": r.ordering_key, "payload": r.payload,
-             "payload_bytes": r.payload_bytes, "headers": Jsonb(r.headers),
+             "routing_key": r.routing_key, "ordering_key": r.ordering_key,
+             "payload": r.body.decode() if r.is_json else None,
+             "payload_bytes": None if r.is_json else r.body, "headers": r.headers,
              "content_type": r.content_type, "created_at": r.created_at,
              "attempts": r.attempts, "error": error}
             for r, error in rows
@@ -275,12 +372,21 @@ class OutboxStore:
         """End a claim that found nothing (or is abandoned) without preparing it."""
         self.claim_conn.execute("ROLLBACK")
 
-    def prepare(self, gid: str) -> None:
-        """Step 2: PREPARE TRANSACTION; checks that it really prepared."""
-        cur = self.claim_conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    def prepare(self, gid: str) -> int:
+        """Step 2: PREPARE TRANSACTION; checks that it really prepared. Returns the transaction's
+        xid (as ``pg_prepared_xacts.transaction`` will show it), which the ledger record names.
+
+        One round trip: the xid query and PREPARE go as one simple-protocol query string.
+        """
+        cur = self.claim_conn.execute(sql.SQL(
+            "SELECT pg_current_xact_id()::xid::text::bigint; PREPARE TRANSACTION {}"
+        ).format(sql.Literal(gid)))
+        row = cur.fetchone()
+        cur.nextset()
         # A transaction that already failed answers "ROLLBACK" without an error.
-        if cur.statusmessage != "PREPARE TRANSACTION":
+        if cur.statusmessage != "PREPARE TRANSACTION" or row is None:
             raise TransientError(f"PREPARE TRANSACTION answered {cur.statusmessage!r}")
+        return int(row[0])
 
     def finish(self, gid: str, *, commit: bool) -> bool:
         """Step 5 (or the failure path): False if someone else already finished it."""
@@ -304,12 +410,14 @@ class OutboxStore:
         """
         conn = self.conn
         with conn.transaction():
+            conn.execute(BATCH_STATEMENTS_SETUP)  # index paths only, for this transaction
             if delivered:
                 conn.execute(self.tables.query("forget_delivered"), {"ids": list(delivered)})
             if failures:
                 conn.execute(
                     self.tables.query("record_failures"),
-                    {"ids": list(failures), "errors": list(failures.values()),
+                    {"ids": list(failures),
+                     "errors": Jsonb({str(row_id): error for row_id, error in failures.items()}),
                      "base_delay": base_delay, "max_delay": max_delay},
                 )
             if not attributed:
@@ -320,9 +428,7 @@ class OutboxStore:
 
     def stats(self) -> tuple[int, float]:
         """(backlog rows, lag seconds) for the metrics."""
-        row = self.conn.execute(self.tables.query("stats")).fetchone()
-        assert row is not None
-        return int(row[0]), float(row[1])
+        return outbox_stats(self.conn, self.tables)
 
     def prepared(self, prefix: str) -> list[PreparedXact]:
         return prepared_of_prefix(self.conn, prefix)

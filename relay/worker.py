@@ -11,9 +11,10 @@ from typing import Protocol
 import psycopg
 import tenacity
 
+from relay import ledger
 from relay.config import RelaySettings
 from relay.connections import ConnectionEvents
-from relay.errors import BatchFailed, TransientError, describe
+from relay.errors import BatchFailed, LedgerMissing, TransientError, describe
 from relay.gid import Gid, lock_class, new_instance_id
 from relay.health import Health, stall_threshold
 from relay.messages import to_message
@@ -25,18 +26,26 @@ log = logging.getLogger("relay")
 
 # Backoff between reconnection attempts; tests shrink these.
 RECONNECT_INITIAL_DELAY = 0.2
+# Batches in a row that lost the broker connection (or their confirms) before every row of the
+# batch counts an attempt: a row that kills the connection in a way we cannot tell apart from
+# the network must not be retried forever, and retried alone it names itself.
+LOST_STREAK_LIMIT = 3
 
 
 class Store(Protocol):
+    ledger_key: bytes  # read on connect: signs the ledger records
+    database: str  # this database's name, named in every ledger record
+
     @property
     def connected(self) -> bool: ...
     def connect(self, lock_class: int, instance: int) -> None: ...
     def close(self) -> None: ...
     def reset(self) -> None: ...
-    def claim(self, limit: int) -> list[OutboxRow]: ...
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = ...) -> list[OutboxRow]: ...
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
     def rollback(self) -> None: ...
-    def prepare(self, gid: str) -> None: ...
+    def prepare(self, gid: str) -> int: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
     def settle_failed(self, delivered: Sequence[int], failures: dict[int, str],
                       attributed: Sequence[int], *, max_attempts: int, base_delay: float,
@@ -52,7 +61,9 @@ class Publisher(Protocol):
     def missing_exchanges(self, names: set[str]) -> dict[str, str]: ...
     def publish_batch(self, messages: Sequence[Message],
                       while_waiting: Callable[[], None] | None = None) -> PublishResult: ...
-    def record_batch(self, gid: str, count: int, instance: str) -> None: ...
+    @property
+    def frame_max(self) -> int: ...
+    def record_batch(self, gid: str, record: bytes) -> None: ...
     def idle(self, seconds: float) -> None: ...
 
 
@@ -68,6 +79,8 @@ def relay_health(settings: RelaySettings) -> Health:
 def failure_reason(error: str) -> str:
     """The bounded metric label for a failure message."""
     for prefix, reason in (("unroutable", "unroutable"), ("nacked", "nacked"),
+                           ("cannot be encoded", "unencodable"),
+                           ("connection closed", "connection_closed"),
                            ("exchange ", "exchange_not_found"),
                            ("channel closed", "channel_closed"), ("no confirm", "confirm_timeout"),
                            ("ledger", "ledger")):
@@ -112,6 +125,9 @@ class Relay:
         # transaction is open (not prepared) on the store's claim session.
         self._ahead: list[OutboxRow] | None = None
         self._ahead_error: psycopg.Error | None = None
+        # Batches in a row whose broker connection was lost (see LOST_STREAK_LIMIT).
+        self._lost_streak = 0
+        self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
 
     @property
     def instance_name(self) -> str:
@@ -127,14 +143,18 @@ class Relay:
         # previous batch claimed them already, while its confirms were on their way).
         rows, self._ahead = self._ahead, None
         if rows is None:
-            rows = self.store.claim(s.batch_size)
+            rows = self._claim(s.batch_max_bytes)
         if not rows:
             self.store.rollback()
             return 0
         self.fault("after_claim")
-        messages, invalid = self._build(rows)
+        # Rows too big to fetch were moved to the dead-letter table by the claim itself.
+        oversized = [(row, row.dead_reason) for row in rows if row.dead_reason is not None]
+        self._batch_bytes = sum(row.row_bytes for row in rows)
+        messages, invalid = self._build([row for row in rows if row.dead_reason is None])
         if invalid:
             self.store.dead_letter_claimed(invalid)
+        invalid.extend(oversized)
         missing = self.publisher.missing_exchanges({m.exchange for m in messages})
         failed_early = {m.row_id: missing[m.exchange] for m in messages if m.exchange in missing}
         messages = [m for m in messages if m.row_id not in failed_early]
@@ -147,7 +167,7 @@ class Relay:
         self._unfinished = (gid, False)
         self._unfinished_size = len(rows)
         try:
-            self.store.prepare(gid)
+            xid = self.store.prepare(gid)
         except Exception as exc:
             if not is_connection_error(exc):
                 self._unfinished = None  # refused (e.g. out of slots): certainly not prepared
@@ -161,16 +181,24 @@ class Relay:
         committed = False
         if result.complete(len(messages)):
             self.fault("after_publish")
-            # 4. Commit on the broker side first: the ledger record of the batch.
+            # 4. Commit on the broker side first: the ledger record of the batch, signed, naming
+            # the prepared transaction (xid, database) it stands for.
+            record = ledger.batch_record(self.store.ledger_key, gid=gid, xid=xid,
+                                         database=self.store.database, count=len(messages),
+                                         relay=self.instance_name)
             try:
-                self.publisher.record_batch(gid, len(messages), self.instance_name)
+                self.publisher.record_batch(gid, record)
                 committed = True
                 self._unfinished = (gid, True)
+            except LedgerMissing as exc:
+                result.transient = f"ledger: {exc}"
+                self._ledger_missing(exc)
             except (BatchFailed, TransientError) as exc:
                 result.transient = f"ledger: {exc}"
         if committed:
             self.fault("after_ledger")
             # 5. COMMIT PREPARED.
+            self._lost_streak = 0
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
                 self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
@@ -183,7 +211,7 @@ class Relay:
             refused = len(result.failed) + len(result.suspect)
             self._finish(gid, commit=False, size=len(rows), reason=result.transient or (
                 f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker"))
-            self._settle(result, gid=gid, batch_size=len(messages),
+            self._settle(result, gid=gid, published=[m.row_id for m in messages],
                          message_ids={row.id: row.message_id for row in rows})
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
@@ -201,8 +229,13 @@ class Relay:
         """
         if self.should_stop():
             return
+        # Both batches are in memory at once: the next one gets what this one left of the
+        # byte budget (OUTBOX_BATCH_MAX_BYTES), and none if it used it all.
+        budget = self.settings.batch_max_bytes - self._batch_bytes
+        if budget <= 0:
+            return
         try:
-            rows = self.store.claim(self.settings.batch_size)
+            rows = self._claim(budget)
             if rows:
                 self._ahead = rows
             else:
@@ -210,11 +243,26 @@ class Relay:
         except psycopg.Error as exc:
             self._ahead, self._ahead_error = None, exc
 
+    def _claim(self, max_bytes: int) -> list[OutboxRow]:
+        s = self.settings
+        return self.store.claim(s.batch_size, max_bytes, max_message_bytes=s.max_message_bytes)
+
+    def _ledger_missing(self, exc: LedgerMissing) -> None:
+        """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it
+        is declared again: dropping the connection makes the loop reconnect, which declares it,
+        before the next batch; a relay never publishes with no ledger to record its batches."""
+        log.warning("ledger missing, declaring it again before claiming more: %s", exc,
+                    extra={"action": "ledger_missing"})
+        self.metrics.ledger_missing.inc()
+        self.publisher.close()
+
     def _build(self, rows: list[OutboxRow]) -> tuple[list[Message], list[tuple[OutboxRow, str]]]:
         messages: list[Message] = []
         invalid: list[tuple[OutboxRow, str]] = []
+        frame_max = self.publisher.frame_max
         for row in rows:
-            built = to_message(row, max_bytes=self.settings.max_message_bytes)
+            built = to_message(row, max_bytes=self.settings.max_message_bytes,
+                               frame_max=frame_max, ledger_stream=self.settings.ledger_stream)
             if isinstance(built, str):
                 # Logged once the batch that moves it to the dead-letter table has committed.
                 invalid.append((row, built))
@@ -255,16 +303,23 @@ class Relay:
                 extra=extra)
         return True
 
-    def _settle(self, result: PublishResult, *, gid: str, batch_size: int,
+    def _settle(self, result: PublishResult, *, gid: str, published: list[int],
                 message_ids: dict[int, str]) -> None:
         """A failed batch was rolled back: forget what was delivered, count what failed."""
         failures = {**result.suspect, **result.failed}
+        batch_size = len(published)
         # A suspect alone in its batch is the culprit; otherwise it is only retried alone.
         attributed = list(result.failed) + (list(result.suspect) if batch_size == 1 else [])
+        lost = self._lost(result, published)
+        if lost:
+            failures.update(lost)
+            if batch_size == 1:
+                attributed.extend(lost)
         for error in failures.values():
-            self.metrics.failures.labels(failure_reason(error)).inc()
-        if result.transient:  # logged as the reason of the rollback
-            self.metrics.failures.labels(failure_reason(result.transient)).inc()
+            self.metrics.row_failures.labels(failure_reason(error)).inc()
+        # The batch's reason: what the rollback was logged with.
+        self.metrics.batch_failures.labels(
+            failure_reason(result.transient) if result.transient else "row_failures").inc()
         s = self.settings
         dead = self.store.settle_failed(
             sorted(result.confirmed), failures, attributed, max_attempts=s.max_attempts,
@@ -277,6 +332,20 @@ class Relay:
             else:
                 log.warning("row failed: %s", error, extra={"action": "row_failed", **extra})
         self.metrics.dead_lettered.labels("exhausted").inc(len(dead))
+
+    def _lost(self, result: PublishResult, published: list[int]) -> dict[int, str]:
+        """After LOST_STREAK_LIMIT batches in a row lost the broker connection or their confirms,
+        an attempt for every row of this one whose fate is unknown: such rows are then claimed
+        alone, and a row that loses the connection on its own runs out of attempts."""
+        transient = result.transient or ""
+        if not transient.startswith(("RabbitMQ connection lost", "no confirm")):
+            return {}
+        self._lost_streak += 1
+        if self._lost_streak < LOST_STREAK_LIMIT:
+            return {}
+        reason = f"{transient} ({self._lost_streak} batches in a row)"
+        known = result.confirmed | result.failed.keys() | result.suspect.keys()
+        return {row_id: reason for row_id in published if row_id not in known}
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from relay import config, logs, metrics
+from relay import __version__, config, logs, metrics
 from relay.errors import ConfigError, StartupCheckError, TransientError
 from relay.signals import Shutdown
 from resolver.worker import Resolver, resolver_health
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         "from what the ledger stream says. Every flag can also be set by the environment "
         "variable shown in its help.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--once", action="store_true",
                         help="run one scan and exit (0: done; 1: could not decide)")
     config.add_options(parser, config.RESOLVER_OPTIONS)

@@ -3,15 +3,23 @@
 One pass: (1) list this database's prepared transactions with our gid prefix; (2) keep those
 whose relay is gone (its instance advisory lock is free, so we take it) or that are older than
 the hard limit; (3) append a marker to the ledger and read the ledger from a margin before the
-oldest of them until the marker comes back; (4) COMMIT PREPARED the gids found in the ledger,
-ROLLBACK PREPARED the others. "Does not exist" (42704) means someone else finished it first.
-The order matters: a relay known dead before step 3 cannot add a record after our marker.
+oldest of them until the marker comes back; (4) COMMIT PREPARED the gids with an authentic
+record in the ledger, ROLLBACK PREPARED the others. "Does not exist" (42704) means someone else
+finished it first. The order matters: a relay known dead before step 3 cannot add a record
+after our marker.
+
+A record counts only if it is signed with the ledger key (which only the relays' role can read)
+and names the prepared transaction's own xid and database (see relay/ledger.py). Candidates are
+decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
+reading; a read fails only when the ledger stops delivering, however long it takes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,15 +29,20 @@ import psycopg
 from relay import amqp, ledger, store
 from relay.config import ResolverSettings
 from relay.connections import ConnectionEvents
-from relay.errors import BatchFailed, TransientError
+from relay.errors import BatchFailed, TransientError, describe
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.publisher import AmqpPublisher
+from relay.queries import Tables
 
 log = logging.getLogger("resolver")
 
 RECONNECT_INITIAL_DELAY = 0.2
+# In-doubt batches decided per ledger read (oldest first): bounds what one read must find.
+LEDGER_WINDOW = 256
+# Rejected ledger records remembered so each is logged and counted once.
+REJECTED_MEMORY = 10_000
 # What fails a scan without ending the resolver: it reconnects and scans again.
 SCAN_ERRORS: tuple[type[BaseException], ...] = (
     TransientError, psycopg.OperationalError, psycopg.InterfaceError, *amqp.CONNECTION_ERRORS)
@@ -38,7 +51,8 @@ SCAN_ERRORS: tuple[type[BaseException], ...] = (
 def resolver_health(settings: ResolverSettings) -> Health:
     """Readiness: both servers connected (PostgreSQL with 2PC on, the ledger stream declared).
     Liveness: the loop turned within 3x its longest legitimate wait (30 s at least); a scan
-    waits up to the ledger read timeout twice (marker confirm, marker read)."""
+    waits up to the ledger read timeout for the marker's confirm, and a ledger read beats the
+    probe whenever it makes progress, and fails after that timeout without any."""
     return Health(
         ("postgresql", "rabbitmq"),
         stall_after=stall_threshold(2 * settings.ledger_read_timeout, settings.connect_timeout,
@@ -62,6 +76,11 @@ class Resolver:
         self._conn: psycopg.Connection[Any] | None = None
         self._role = store.SessionRole("", superuser=False)
         self._not_ours: set[str] = set()  # gids of another role, already warned about
+        self._tables = Tables(settings.table)
+        self._key = b""  # the ledger key, read on connect
+        self._rejected: set[tuple[str, object]] = set()  # (gid, stream offset) logged already
+        self._next_stats = 0.0
+        self._stats_failing = False
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._amqp = AmqpPublisher(
             settings.amqp_url, ledger_stream=settings.ledger_stream,
@@ -77,31 +96,41 @@ class Resolver:
         self.metrics.in_doubt.set(len(prepared))
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
         self._observe_horizon(conn)
+        self._observe_outbox(conn)
         locked: list[int] = []
         try:
             candidates = self._candidates(conn, prepared, locked)
-            if not candidates:
-                return {}
-            since = min(x.prepared for x in candidates) - timedelta(
-                seconds=self.settings.ledger_margin)
-            committed = self._ledger_gids(since)
-            outcomes = {}
-            for xact in candidates:
-                commit = xact.gid in committed
-                finished = store.finish_prepared(conn, xact.gid, commit=commit)
-                outcome = ("committed" if commit else "rolled_back") if finished else (
-                    "already_finished")
-                outcomes[xact.gid] = outcome
-                self.metrics.decisions.labels(outcome).inc()
-                extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
-                                            "age_seconds": round(xact.age_seconds, 3)}
-                if commit:  # the ledger record says how many messages the batch published
-                    extra["batch_size"] = committed[xact.gid]
-                log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
+            outcomes: dict[str, str] = {}
+            # Oldest first (prepared_of_prefix is ordered by prepared time), a window at a time.
+            for start in range(0, len(candidates), LEDGER_WINDOW):
+                window = candidates[start:start + LEDGER_WINDOW]
+                outcomes.update(self._resolve(conn, window))
             return outcomes
         finally:
             for instance in locked:
                 store.instance_unlock(conn, self.lock_class, instance)
+
+    def _resolve(self, conn: psycopg.Connection[Any],
+                 candidates: list[store.PreparedXact]) -> dict[str, str]:
+        """Read the ledger for ``candidates`` and finish each of them."""
+        since = min(x.prepared for x in candidates) - timedelta(
+            seconds=self.settings.ledger_margin)
+        committed = self._ledger_gids(since, {
+            x.gid: ledger.Expected(x.xid, x.database) for x in candidates})
+        outcomes = {}
+        for xact in candidates:
+            commit = xact.gid in committed
+            finished = store.finish_prepared(conn, xact.gid, commit=commit)
+            outcome = ("committed" if commit else "rolled_back") if finished else (
+                "already_finished")
+            outcomes[xact.gid] = outcome
+            self.metrics.decisions.labels(outcome).inc()
+            extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
+                                        "age_seconds": round(xact.age_seconds, 3)}
+            if commit:  # the ledger record says how many messages the batch published
+                extra["batch_size"] = committed[xact.gid]
+            log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
+        return outcomes
 
     def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
         """Export what holds back VACUUM, and whether it is one of our prepared batches.
@@ -116,6 +145,28 @@ class Resolver:
         ours = holders.pop("outbox_prepared", None)
         holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
+
+    def _observe_outbox(self, conn: psycopg.Connection[Any]) -> None:
+        """Export the outbox's backlog and lag: one table-wide query per database, every
+        OUTBOX_STATS_INTERVAL, instead of one per relay. A table that is missing (not migrated
+        yet) or not readable by this role is said once and exported as NaN, never a false 0."""
+        now = time.monotonic()
+        if now < self._next_stats:
+            return
+        self._next_stats = now + self.settings.stats_interval
+        try:
+            backlog, lag = store.outbox_stats(conn, self._tables)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
+            if not self._stats_failing:
+                log.warning("cannot read the outbox for its backlog and lag: %s", describe(exc),
+                            extra={"action": "outbox_stats_failed", "table": self._tables.name})
+            self._stats_failing = True
+            self.metrics.backlog.set(math.nan)
+            self.metrics.lag.set(math.nan)
+            return
+        self._stats_failing = False
+        self.metrics.backlog.set(backlog)
+        self.metrics.lag.set(lag)
 
     def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
                     locked: list[int]) -> list[store.PreparedXact]:
@@ -153,16 +204,36 @@ class Resolver:
                     alive.add(gid.instance)
         return candidates
 
-    def _ledger_gids(self, since: Any) -> dict[str, int]:
+    def _ledger_gids(self, since: Any, candidates: dict[str, ledger.Expected]) -> dict[str, int]:
         if not self._amqp.connected:
             self._connect_amqp()
         marker = ledger.new_marker()
         try:
-            self._amqp.append_ledger(ledger.marker_record(marker), message_id=marker)
+            self._amqp.append_ledger(ledger.marker_record(self._key, marker), message_id=marker)
         except BatchFailed as exc:
             raise TransientError(str(exc)) from exc
-        return ledger.read_until_marker(self._amqp.connection, self.settings.ledger_stream,
-                                        since, marker, self.settings.ledger_read_timeout)
+        return ledger.read_until_marker(
+            self._amqp.connection, self.settings.ledger_stream, since, marker, key=self._key,
+            candidates=candidates, idle_timeout=self.settings.ledger_read_timeout,
+            on_progress=self._progress, on_rejected=self._reject)
+
+    def _progress(self) -> None:
+        """A long ledger read that is moving: the loop is alive."""
+        self.metrics.last_loop.set_to_current_time()
+        self.health.beat()
+
+    def _reject(self, rejected: ledger.Rejected) -> None:
+        """A record naming an in-doubt batch that proves nothing: ignored, said once."""
+        seen = (rejected.gid, rejected.offset)
+        if seen in self._rejected:
+            return
+        if len(self._rejected) >= REJECTED_MEMORY:
+            self._rejected.clear()
+        self._rejected.add(seen)
+        self.metrics.ledger_rejected.labels(rejected.reason).inc()
+        log.warning("ledger record rejected (%s): %s", rejected.reason, rejected.detail, extra={
+            "action": "ledger_record_rejected", "gid": rejected.gid, "reason": rejected.reason,
+            "offset": rejected.offset})
 
     # -- connections and the loop -----------------------------------------------------------
 
@@ -175,8 +246,14 @@ class Resolver:
             except TransientError as exc:
                 self.health.set_check("postgresql", str(exc))
                 raise
-            store.check_server(self._conn)
-            self._role = store.session_role(self._conn)
+            try:
+                store.check_server(self._conn)
+                self._key, _database = store.read_ledger_key(self._conn, self._tables)
+                self._role = store.session_role(self._conn)
+            except BaseException:
+                self._conn.close()
+                self._conn = None
+                raise
             self._mark_up("postgresql")
         return self._conn
 

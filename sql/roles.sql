@@ -9,13 +9,16 @@
 -- Variables (-v): table, the outbox table as in OUTBOX_TABLE ([schema.]name; default outbox),
 -- and roles, the prefix of the role names (default outbox). It creates:
 --
---   <roles>_migrate   LOGIN    owns both tables, may create in their schema: runs
+--   <roles>_migrate   LOGIN    owns the three tables, may create in their schema: runs
 --                              `outbox-relay migrate` from now on
 --   <roles>_relay     LOGIN    the relay AND the resolver: COMMIT/ROLLBACK PREPARED is allowed
 --                              only to the role that prepared the transaction (or a superuser),
---                              so the resolver must log in as the relays' role
+--                              so the resolver must log in as the relays' role. The only role
+--                              that reads the ledger key (<table>_ledger_key): a ledger record
+--                              is believed only if it was signed with it.
 --   <roles>_operator  LOGIN    `outbox-relay dead-letter list|requeue`
---   <roles>_producer  NOLOGIN  INSERT into the outbox: GRANT <roles>_producer TO your service
+--   <roles>_producer  NOLOGIN  INSERT into the outbox (the producer's columns only):
+--                              GRANT <roles>_producer TO your service
 --
 -- Passwords are not set here: `\password <role>` in psql, or ALTER ROLE ... PASSWORD from your
 -- secret store. tests/integration/test_roles.py runs both programs and the operator command as
@@ -42,15 +45,17 @@ DECLARE
     name text := parts[cardinality(parts)];
     outbox text := format('%I.%I', nsp, name);
     dead_letter text := format('%I.%I', nsp, name || '_dead_letter');
+    ledger_key text := format('%I.%I', nsp, name || '_ledger_key');
     migrate_role text := prefix || '_migrate';
     relay_role text := prefix || '_relay';
     operator_role text := prefix || '_operator';
     producer_role text := prefix || '_producer';
     role text;
 BEGIN
-    IF to_regclass(outbox) IS NULL OR to_regclass(dead_letter) IS NULL THEN
-        RAISE EXCEPTION '% or % does not exist: run `outbox-relay migrate` first', outbox,
-            dead_letter;
+    IF to_regclass(outbox) IS NULL OR to_regclass(dead_letter) IS NULL
+            OR to_regclass(ledger_key) IS NULL THEN
+        RAISE EXCEPTION '%, % or % does not exist: run `outbox-relay migrate` first', outbox,
+            dead_letter, ledger_key;
     END IF;
     FOREACH role IN ARRAY ARRAY[migrate_role, relay_role, operator_role] LOOP
         IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
@@ -61,19 +66,25 @@ BEGIN
         EXECUTE format('CREATE ROLE %I NOLOGIN', producer_role);
     END IF;
 
-    -- migrate: owns the tables (and the outbox's identity sequence with them).
+    -- migrate: owns the tables (and their identity sequences with them).
     EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO %I', nsp, migrate_role);
     EXECUTE format('ALTER TABLE %s OWNER TO %I', outbox, migrate_role);
     EXECUTE format('ALTER TABLE %s OWNER TO %I', dead_letter, migrate_role);
+    EXECUTE format('ALTER TABLE %s OWNER TO %I', ledger_key, migrate_role);
 
     -- relay and resolver: claim (SELECT ... FOR UPDATE, DELETE ... RETURNING), count failed
-    -- attempts (UPDATE), the lag and backlog (SELECT), dead-letter rows (INSERT ... ON CONFLICT
-    -- (id) DO NOTHING RETURNING id: a conflict target and RETURNING need SELECT on the column).
+    -- attempts (UPDATE), the lag and backlog (SELECT), dead-letter rows (INSERT; RETURNING
+    -- outbox_id needs SELECT on that column), sign and check ledger records (SELECT on the key).
     -- Everything else they read (pg_prepared_xacts, pg_stat_activity, pg_replication_slots,
     -- settings) and do (PREPARE TRANSACTION, advisory locks) needs no grant.
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', nsp, relay_role);
     EXECUTE format('GRANT SELECT, UPDATE, DELETE ON %s TO %I', outbox, relay_role);
-    EXECUTE format('GRANT INSERT, SELECT (id) ON %s TO %I', dead_letter, relay_role);
+    EXECUTE format('GRANT INSERT, SELECT (outbox_id) ON %s TO %I', dead_letter, relay_role);
+    EXECUTE format('GRANT SELECT ON %s TO %I', ledger_key, relay_role);
+    -- The key is the relays' secret: nobody else reads it (a superuser always can).
+    FOREACH role IN ARRAY ARRAY[operator_role, producer_role] LOOP
+        EXECUTE format('REVOKE ALL ON %s FROM %I', ledger_key, role);
+    END LOOP;
 
     -- operator: list dead letters (SELECT), fix them in place if need be (UPDATE; requeue's
     -- SELECT ... FOR UPDATE needs it too) and requeue them (DELETE; INSERT into the outbox ... ON
@@ -82,8 +93,13 @@ BEGIN
     EXECUTE format('GRANT SELECT, UPDATE, DELETE ON %s TO %I', dead_letter, operator_role);
     EXECUTE format('GRANT INSERT, SELECT (id, message_id) ON %s TO %I', outbox, operator_role);
 
-    -- producers: a plain INSERT.
+    -- producers: a plain INSERT of the producer's columns. id, created_at, attempts and
+    -- last_error are the relay's: a producer cannot set them (no OVERRIDING SYSTEM VALUE, no
+    -- 'infinity' created_at, no negative attempts).
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', nsp, producer_role);
-    EXECUTE format('GRANT INSERT ON %s TO %I', outbox, producer_role);
+    EXECUTE format('REVOKE INSERT ON %s FROM %I', outbox, producer_role);
+    EXECUTE format('GRANT INSERT (message_id, exchange, routing_key, ordering_key, payload, '
+                   'payload_bytes, headers, content_type, available_at) ON %s TO %I',
+                   outbox, producer_role);
 END
 $roles$;

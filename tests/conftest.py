@@ -88,8 +88,9 @@ class Env:
 
     def resolver_settings(self, **overrides: Any) -> ResolverSettings:
         values: dict[str, Any] = dict(
-            database_url=self.db_url, amqp_url=self.amqp_url, gid_prefix=self.gid_prefix,
-            ledger_stream=self.ledger_stream, metrics_port=0, ledger_margin=60, interval=0.2,
+            database_url=self.db_url, amqp_url=self.amqp_url, table=self.table,
+            gid_prefix=self.gid_prefix, ledger_stream=self.ledger_stream, metrics_port=0,
+            ledger_margin=60, interval=0.2,
         )
         values.update(overrides)
         return ResolverSettings(**values)
@@ -182,12 +183,14 @@ def _drop(e: Env) -> None:
                                    (e.gid_prefix + ":",)).fetchall():
             conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
         tables = Tables(e.table)
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}, {}").format(tables.outbox, tables.dead_letter))
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}, {}, {}").format(
+            tables.outbox, tables.dead_letter, tables.ledger_key))
     try:
         conn2, channel = e.amqp_channel()
         for queue in (e.queue, e.ledger_stream):
             channel.queue_delete(queue)
-        channel.exchange_delete(e.exchange)
+        for exchange in (e.exchange, e.ledger_stream):
+            channel.exchange_delete(exchange)
         conn2.close()
     except pika.exceptions.AMQPError:
         pass

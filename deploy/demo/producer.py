@@ -73,7 +73,7 @@ def _name(text: str) -> str:
     return text
 
 
-OPTIONS: tuple[config.Option, ...] = (
+OPTIONS: tuple[config.Option[Any], ...] = (
     config.DATABASE_URL,
     config.AMQP_URL,
     config.TABLE,

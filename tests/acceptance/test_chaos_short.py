@@ -1,4 +1,5 @@
-"""The chaos run in short form: every kind of fault in turn under load, then the checker."""
+"""The chaos run in short form: every kind of fault in turn under load, hostile rows mixed into
+the traffic, then the checker."""
 
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert figures["lost"] == 0 and figures["unexpected"] == 0, figures
     assert figures["left_in_outbox"] == 0 and figures["in_doubt_left"] == 0, figures
     assert figures["delivered"] == figures["events"] + figures["duplicated"], figures
+    # Hostile rows were mixed in; each ended in the dead-letter table, none was published, and
+    # no relay or resolver exited because of one.
+    assert figures["hostile_rows"] >= 10, figures
+    assert figures["hostile_dead_lettered"] == figures["hostile_rows"], figures
+    assert figures["unexpected_exits"] == 0, figures

@@ -119,6 +119,34 @@ def test_unreachable_servers_are_retried_and_the_password_never_logged(env: Env)
     assert SECRET not in log
 
 
+@pytest.mark.parametrize("program", ["relay", "resolver"])
+def test_secret_file_forms_reach_the_program_and_a_bad_one_is_one_line(
+    env: Env, program: str, tmp_path: Path
+) -> None:
+    secret = tmp_path / "amqp-url"
+    secret.write_text(f"amqp://app:{SECRET}@127.0.0.1:9/\n")
+    cli_env = env.cli_env(OUTBOX_AMQP_URL="", OUTBOX_AMQP_URL_FILE=str(secret),
+                          OUTBOX_DATABASE_URL="", OUTBOX_DATABASE_URL_FILE=str(tmp_path / "none"),
+                          OUTBOX_METRICS_PORT="0")
+    result = run(program, env=cli_env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"outbox-{program}: error: OUTBOX_DATABASE_URL_FILE names a file that cannot be read: "
+        f"'{tmp_path / 'none'}' (No such file or directory)"]
+    # With both files readable, the program starts and uses them (it keeps retrying port 9).
+    (tmp_path / "none").write_text(f"postgresql://app:{SECRET}@127.0.0.1:9/x")
+    proc = subprocess.Popen([sys.executable, "-m", program], env=cli_env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        assert proc.poll() is None, proc.communicate()
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "failed" in err and SECRET not in out + err  # it tried the servers the files name
+
+
 def test_help_lists_every_env_var() -> None:
     from relay.config import RELAY_OPTIONS, RESOLVER_OPTIONS
     relay_help = run("relay", "run", "--help", env={"PYTHONPATH": str(ROOT)}).stdout

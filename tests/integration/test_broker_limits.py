@@ -48,4 +48,5 @@ def test_broker_refusing_a_message_fails_only_that_row(env: Env,
     # of copies, each with the same message_id.
     assert not report.lost and not report.unexpected, report.summary()
     assert report.duplicates <= 50, report.summary()
-    assert relay.metrics.failures.labels("channel_closed")._value.get() >= 3
+    assert relay.metrics.row_failures.labels("channel_closed")._value.get() >= 3
+    assert relay.metrics.batch_failures.labels("row_failures")._value.get() >= 3

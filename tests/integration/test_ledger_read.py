@@ -11,6 +11,8 @@ import pika
 from relay import amqp, ledger
 from tests.conftest import Env
 
+KEY = b"k" * 32
+
 
 def _append_until(stop: threading.Event, url: str, stream: str, prefix: str) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(url))
@@ -19,7 +21,8 @@ def _append_until(stop: threading.Event, url: str, stream: str, prefix: str) -> 
     while not stop.is_set():
         for _ in range(50):
             n += 1
-            channel.basic_publish("", stream, ledger.batch_record(f"{prefix}:0000000b:{n}", 1, "b"))
+            channel.basic_publish(stream, stream, ledger.batch_record(
+                KEY, gid=f"{prefix}:0000000b:{n}", xid=n, database="db", count=1, relay="b"))
         conn.process_data_events(time_limit=0)
     conn.close()
 
@@ -28,10 +31,10 @@ def _publish_marker(conn: Any, url: str, stream: str) -> tuple[Any, str]:
     """Append a marker; on a connection the broker closed, reconnect first (as the resolver)."""
     marker = ledger.new_marker()
     try:
-        conn.channel().basic_publish("", stream, ledger.marker_record(marker))
+        conn.channel().basic_publish(stream, stream, ledger.marker_record(KEY, marker))
     except amqp.CONNECTION_ERRORS:
         conn = pika.BlockingConnection(pika.URLParameters(url))
-        conn.channel().basic_publish("", stream, ledger.marker_record(marker))
+        conn.channel().basic_publish(stream, stream, ledger.marker_record(KEY, marker))
     return conn, marker
 
 
@@ -47,14 +50,17 @@ def test_marker_read_survives_records_arriving_behind_the_marker(env: Env) -> No
         channel = conn.channel()
         amqp.declare_ledger(channel, env.ledger_stream, "7D")
         since = datetime.now(timezone.utc) - timedelta(seconds=1)
-        gids = {f"{env.gid_prefix}:0000000a:{n}" for n in range(1, 51)}
-        for gid in sorted(gids):
-            channel.basic_publish("", env.ledger_stream, ledger.batch_record(gid, 1, "a"))
+        gids = {f"{env.gid_prefix}:0000000a:{n}": n for n in range(1, 51)}
+        for gid, xid in sorted(gids.items()):
+            channel.basic_publish(env.ledger_stream, env.ledger_stream, ledger.batch_record(
+                KEY, gid=gid, xid=xid, database="db", count=1, relay="a"))
+        candidates = {gid: ledger.Expected(xid, "db") for gid, xid in gids.items()}
         appender.start()
         for _attempt in range(5):
             conn, marker = _publish_marker(conn, env.amqp_url, env.ledger_stream)
-            found = ledger.read_until_marker(conn, env.ledger_stream, since, marker, timeout=30)
-            assert gids <= set(found)
+            found = ledger.read_until_marker(conn, env.ledger_stream, since, marker, key=KEY,
+                                             candidates=candidates, idle_timeout=30)
+            assert set(found) == set(gids)  # only the candidates are kept
             # Ending the read rejected nothing, so the broker kept the connection open.
             assert conn.is_open, "the ledger read cost the reader its connection"
     finally:

@@ -8,17 +8,21 @@ left in the outbox or in doubt, and duplicates bounded by the batches in flight 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
+
+import pika
+import pika.exceptions
 
 from devenv import checker
 from devenv.proxy import Proxy
-from relay import ledger
-from relay.publisher import AmqpPublisher
+from relay import amqp
 from tests.conftest import ROOT, Env
 from tests.fix_proxy import ProxyFactory
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -81,18 +85,24 @@ def prepared_ages(env: Env) -> dict[str, float]:
 
 
 def ledger_gids(env: Env) -> set[str]:
-    """Every batch gid in the test's ledger stream (read up to a marker of our own)."""
-    publisher = AmqpPublisher(env.amqp_url, ledger_stream=env.ledger_stream, ledger_max_age="7D",
-                              confirm_timeout=10, connect_timeout=5, name="test-ledger-reader")
-    publisher.connect()
+    """Every batch gid in the test's ledger stream (read from its first record until idle)."""
+    conn = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
+    gids: set[str] = set()
     try:
-        marker = ledger.new_marker()
-        publisher.append_ledger(ledger.marker_record(marker), message_id=marker)
-        since = datetime.now(timezone.utc) - timedelta(hours=1)
-        return set(ledger.read_until_marker(publisher.connection, env.ledger_stream, since, marker,
-                                            10))
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=1000)
+        for method, _props, body in channel.consume(
+                env.ledger_stream, arguments={"x-stream-offset": "first"}, inactivity_timeout=2):
+            if method is None:
+                break
+            record = json.loads(body)
+            if record.get("type") == "batch":
+                gids.add(record["gid"])
+            channel.basic_ack(method.delivery_tag)
     finally:
-        publisher.close()
+        with contextlib.suppress(pika.exceptions.AMQPError, *amqp.CONNECTION_ERRORS):
+            conn.close()  # a stream may answer the cancel's reject by closing the connection
+    return gids
 
 
 _GID_RE = r"gid=(\S+?)[,\]\s]"

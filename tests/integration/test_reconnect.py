@@ -90,6 +90,9 @@ def test_postgres_crash_mid_stream(own_env: Env, own_pg: PostgresServer) -> None
     resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="0.2", OUTBOX_RECONNECT_MAX_DELAY="2",
                          OUTBOX_METRICS_HOST="127.0.0.1", OUTBOX_METRICS_PORT=str(resolver_port))
     wait_until(lambda: outbox_count(env) < 3500, 60, "the relay to make progress")
+    # Under load the resolver may start after the relay has made progress: its first
+    # connection must come before the crash, or it has nothing to "reconnect".
+    wait_until(lambda: "postgresql connected" in log_of(resolver), 30, "the resolver to connect")
     own_pg.kill()  # immediate crash: prepared transactions must survive it
     time.sleep(1)
     assert relay.poll() is None, log_of(relay)

@@ -1,5 +1,5 @@
 """Least privilege, for real: sql/roles.sql applied with psql, then migrate, a producer, the relay,
-the resolver (a decision included) and the dead-letter command each run as the role the README
+the resolver (a decision included) and the dead-letter command each run as the role docs/operations.md
 gives it, with RabbitMQ users limited to the documented permissions. And what does not work: a
 resolver logged in as another role cannot finish the relays' batches (PostgreSQL allows COMMIT
 PREPARED only to the preparing role or a superuser), so it says so and leaves them alone."""
@@ -93,11 +93,14 @@ def roles(renv: Env) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def amqp_users(renv: Env, rabbit: RabbitServer) -> Iterator[dict[str, str]]:
-    """RabbitMQ users with the README's permissions; {program: AMQP URL as that user}."""
+    """RabbitMQ users with docs/operations.md's permissions; {program: AMQP URL as that user}."""
     ledger, exchange = re.escape(renv.ledger_stream), re.escape(renv.exchange)
+    # The ledger is a stream and an exchange of the same name: declaring both and binding them
+    # takes configure on the name, write on the stream and read on the exchange; records go
+    # through that exchange (write). No one needs the default exchange.
     permissions = {  # configure, write, read
-        "relay": (f"^{ledger}$", rf"^(amq\.default|{exchange})$", "^$"),
-        "resolver": (f"^{ledger}$", r"^amq\.default$", f"^{ledger}$"),
+        "relay": (f"^{ledger}$", rf"^({ledger}|{exchange})$", f"^{ledger}$"),
+        "resolver": (f"^{ledger}$", f"^{ledger}$", f"^{ledger}$"),
     }
     urls = {}
     for program, (configure, write, read) in permissions.items():
@@ -131,7 +134,8 @@ def test_each_program_works_as_its_least_privileged_role(
     env = renv
     tables = Tables(env.table)
     relay_env = {"OUTBOX_DATABASE_URL": roles["relay"], "OUTBOX_AMQP_URL": amqp_users["relay"],
-                 "OUTBOX_BATCH_SIZE": "20", "OUTBOX_MAX_ATTEMPTS": "2"}
+                 "OUTBOX_BATCH_SIZE": "20", "OUTBOX_MAX_ATTEMPTS": "2",
+                 "OUTBOX_MAX_MESSAGE_BYTES": str(1 << 20)}
     resolver_env = {"OUTBOX_DATABASE_URL": roles["relay"],
                     "OUTBOX_AMQP_URL": amqp_users["resolver"]}
 
@@ -152,15 +156,30 @@ def test_each_program_works_as_its_least_privileged_role(
                                 "('no-exchange', %s, 'k', '{{}}', '{{}}'), "
                                 "('forbidden', %s, 'k', '{{}}', '{{}}')").format(tables.outbox),
                         (env.exchange, env.exchange + ".missing", env.exchange + ".forbidden"))
+        # Too big to fetch: the claim itself moves it to the dead-letter table.
+        service.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload_bytes)"
+                                " VALUES ('too-big', %s, 'k', %s)").format(tables.outbox),
+                        (env.exchange, b"\0" * (3 << 20)))
 
     # A relay dies after the ledger record of its first batch ...
     crashed = env.spawn("relay", OUTBOX_TEST_CRASH_AT="after_ledger", **relay_env)
     assert crashed.wait(60) == -signal.SIGKILL, log_of(crashed)
     (gid,) = in_doubt(env)
 
-    # ... a resolver logged in as another role may not finish it, says so, and leaves it ...
+    # ... a resolver logged in as another role cannot even read the ledger key: exit 3 ...
     other = run_cli(env, "resolver", "--once", OUTBOX_LOG_FORMAT="json",
                     OUTBOX_DATABASE_URL=roles["operator"], OUTBOX_AMQP_URL=amqp_users["resolver"])
+    assert other.returncode == 3, other.stderr
+    assert "permission denied reading" in other.stderr, other.stderr
+    # ... and, allowed to read it, still may not finish the batch: it says so and leaves it ...
+    with env.connect() as admin:
+        admin.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(
+            tables.ledger_key, sql.Identifier(f"r{env.gid_prefix}_operator")))
+    other = run_cli(env, "resolver", "--once", OUTBOX_LOG_FORMAT="json",
+                    OUTBOX_DATABASE_URL=roles["operator"], OUTBOX_AMQP_URL=amqp_users["resolver"])
+    with env.connect() as admin:
+        admin.execute(sql.SQL("REVOKE SELECT ON {} FROM {}").format(
+            tables.ledger_key, sql.Identifier(f"r{env.gid_prefix}_operator")))
     assert other.returncode == 0, other.stderr
     lines = [json.loads(line) for line in other.stderr.splitlines()]
     (warning,) = [line for line in lines if line["action"] == "not_owner"]
@@ -186,7 +205,7 @@ def test_each_program_works_as_its_least_privileged_role(
     assert listed.returncode == 0, listed.stderr
     rows = {row["message_id"]: row for row in json.loads(listed.stdout)}
     dead = {message_id: row["id"] for message_id, row in rows.items()}
-    assert set(dead) == {"bad-headers", "no-exchange", "forbidden"}
+    assert set(dead) == {"bad-headers", "no-exchange", "forbidden", "too-big"}
     # A publish without write permission closes the channel; retried alone, the row is named.
     assert "ACCESS_REFUSED" in rows["forbidden"]["last_error"], rows["forbidden"]
     requeued = run_cli(env, "relay", "dead-letter", "requeue", "--id", str(dead["no-exchange"]),
@@ -213,6 +232,15 @@ def test_each_program_works_as_its_least_privileged_role(
         ("operator", sql.SQL("DELETE FROM {}").format(tables.outbox)),
         ("service", sql.SQL("SELECT * FROM {}").format(tables.outbox)),
         ("service", sql.SQL("DELETE FROM {}").format(tables.outbox)),
+        # The ledger key is the relays' alone; the relay's own columns are not the producer's.
+        ("service", sql.SQL("SELECT key FROM {}").format(tables.ledger_key)),
+        ("operator", sql.SQL("SELECT key FROM {}").format(tables.ledger_key)),
+        ("service", sql.SQL("INSERT INTO {} (routing_key, payload, created_at) "
+                            "VALUES ('k', '{{}}', 'infinity')").format(tables.outbox)),
+        ("service", sql.SQL("INSERT INTO {} (routing_key, payload, attempts) "
+                            "VALUES ('k', '{{}}', -1)").format(tables.outbox)),
+        ("service", sql.SQL("INSERT INTO {} (id, routing_key, payload) OVERRIDING SYSTEM VALUE "
+                            "VALUES (1, 'k', '{{}}')").format(tables.outbox)),
     ):
         assert refused(roles[kind], statement), f"{kind} may {statement.as_string(None)}"
 

@@ -1,6 +1,7 @@
-"""TLS on both connections, in exactly the URL forms the README documents, against a PostgreSQL and
-a RabbitMQ of this module's own that serve certificates from a throwaway CA. And the failures an
-operator meets first: an untrusted certificate is retried, and said once, in the log."""
+"""TLS on both connections, in exactly the URL forms docs/operations.md documents, against a
+PostgreSQL and a RabbitMQ of this module's own that serve certificates from a throwaway CA. And
+the failures an operator meets first: an untrusted certificate is retried, and said once, in the
+log."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_relay_and_resolver_connect_over_verified_tls(
     env = tenv
     rabbit, tls_port = tls_rabbit
     ca = certs / "ca.pem"
-    # The README's forms: libpq's own parameters, pika's ssl_options (URL-encoded), and
+    # The documented forms: libpq's own parameters, pika's ssl_options (URL-encoded), and
     # sslrootcert=system / a plain amqps:// URL verified against the CA file named by
     # SSL_CERT_FILE (the "system" store).
     pg_url = (f"postgresql://postgres@localhost:{tls_pg.port}/outbox"

@@ -18,6 +18,7 @@ a closed channel) raises ``ProtocolViolation`` instead of passing silently.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -104,6 +105,10 @@ class _Scripted:
 # -- PostgreSQL ---------------------------------------------------------------------------------
 
 
+class RawHeaders(str):
+    """Headers given as the JSON text the claim would fetch (e.g. nested too deep to build)."""
+
+
 @dataclass
 class StoredRow:
     """An outbox row at rest, with the columns the relay never sees (available_at)."""
@@ -123,9 +128,14 @@ class StoredRow:
     available_at: float = 0.0
 
     def claimed(self) -> OutboxRow:
+        """As the claim fetches it: the body as bytes, headers as JSON text, created_at twice."""
+        body = self.payload.encode() if self.payload is not None else bytes(self.payload_bytes or b"")
         return OutboxRow(self.id, self.message_id, self.exchange, self.routing_key, self.ordering_key,
-                         self.payload, self.payload_bytes, self.headers, self.content_type,
-                         self.created_at, self.attempts, self.last_error)
+                         body, self.payload is not None,
+                         self.headers if isinstance(self.headers, RawHeaders) else json.dumps(self.headers),
+                         self.content_type, self.created_at.timestamp(),
+                         self.created_at.isoformat(sep=" "), self.attempts,
+                         len(body) + len(str(self.headers)) + len(self.message_id))
 
 
 @dataclass
@@ -156,10 +166,14 @@ class FakeStore(_Scripted):
         self.rows: dict[int, StoredRow] = {}
         self.open: Txn | None = None
         self.prepared: dict[str, Txn] = {}
+        self.xids: dict[str, int] = {}  # gid -> the xid its PREPARE returned
         self.dead_letter: dict[int, DeadRow] = {}
         self.now = 0.0
         self.lag = 0.0
         self._next_id = 1
+        self.ledger_key = b"k" * 32
+        self.database = "fake"
+        self._xid = 1000
 
     # -- test helpers ------------------------------------------------------------------------
 
@@ -207,8 +221,9 @@ class FakeStore(_Scripted):
         if self.is_connected:
             self._abort_open()
 
-    def claim(self, limit: int) -> list[OutboxRow]:
-        fault = self._enter("claim", "claim", limit=limit)
+    def claim(self, limit: int, max_bytes: int = 1 << 60, *,
+              max_message_bytes: int = 1 << 60) -> list[OutboxRow]:
+        fault = self._enter("claim", "claim", limit=limit, max_bytes=max_bytes)
         if self.open is not None:
             raise ProtocolViolation("claim (BEGIN) inside an open transaction")
         due = [r for r in self.rows.values() if r.available_at <= self.now]
@@ -216,8 +231,15 @@ class FakeStore(_Scripted):
         if self.retry_alone and retry:
             taken = retry[:1]
         else:
-            pool = due if not self.retry_alone else [r for r in due if r.attempts == 0]
-            taken = sorted(pool, key=lambda r: r.id)[:limit]
+            pool = due if not self.retry_alone else [r for r in due if r.attempts <= 0]
+            taken = []
+            total = 0
+            for row in sorted(pool, key=lambda r: r.id)[:limit]:
+                size = row.claimed().row_bytes
+                if taken and total + size > max_bytes:
+                    break  # the byte budget; one row at least
+                taken.append(row)
+                total += size
         self.open = Txn({r.id: self.rows.pop(r.id) for r in taken})
         self._raise(fault)
         return [r.claimed() for r in taken]
@@ -238,14 +260,17 @@ class FakeStore(_Scripted):
         self._abort_open()
         self._raise(fault)
 
-    def prepare(self, gid: str) -> None:
+    def prepare(self, gid: str) -> int:
         fault = self._enter("prepare", "prepare", gid=gid)
         if self.open is None:
             raise ProtocolViolation("PREPARE TRANSACTION without an open transaction")
         if gid in self.prepared:
             raise ProtocolViolation(f"transaction identifier {gid!r} is already in use")
         self.prepared[gid], self.open = self.open, None
+        self._xid += 1
+        self.xids[gid] = self._xid
         self._raise(fault)
+        return self._xid
 
     def finish(self, gid: str, *, commit: bool) -> bool:
         fault = self._enter("finish", "commit_prepared" if commit else "rollback_prepared",
@@ -332,6 +357,7 @@ class LedgerRecord:
     gid: str
     count: int
     instance: str
+    xid: int = 0
 
 
 class FakePublisher(_Scripted):
@@ -351,6 +377,8 @@ class FakePublisher(_Scripted):
         self.published: list[Message] = []  # every message written to the channel
         self.confirmed: list[Message] = []  # every message the broker confirmed
         self.ledger: list[LedgerRecord] = []
+        self.records: list[dict[str, Any]] = []  # the ledger records as written (signed)
+        self.negotiated_frame_max = 131072
         self.exchange_checks: list[set[str]] = []
         self.idles: list[float] = []
 
@@ -433,7 +461,14 @@ class FakePublisher(_Scripted):
         self._raise(fault)
         return result
 
-    def record_batch(self, gid: str, count: int, instance: str) -> None:
-        fault = self._enter("record_batch", "ledger", gid=gid, count=count, instance=instance)
-        self.ledger.append(LedgerRecord(gid, count, instance))
+    @property
+    def frame_max(self) -> int:
+        return self.negotiated_frame_max
+
+    def record_batch(self, gid: str, record: bytes) -> None:
+        body = json.loads(record)
+        fault = self._enter("record_batch", "ledger", gid=gid, count=body["count"],
+                            instance=body["relay"])
+        self.records.append(body)
+        self.ledger.append(LedgerRecord(gid, body["count"], body["relay"], body["xid"]))
         self._raise(fault)

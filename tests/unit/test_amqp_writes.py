@@ -58,3 +58,22 @@ def test_nothing_is_written_to_a_closed_transport() -> None:
         conn._impl._adapter_emit_data(b"one")
         conn._impl._transport = None
     assert conn._impl.writes == []
+
+
+def test_large_frames_go_as_they_are_and_joins_stay_bounded() -> None:
+    from relay import amqp
+
+    conn = _Conn()
+    small = [b"s" * 1000 for _ in range(3000)]  # 3 MB of small frames
+    big = b"B" * (amqp.LARGE_FRAME_BYTES + 1)
+    with coalesced_writes(conn):
+        for data in small[:10]:
+            conn._impl._adapter_emit_data(data)
+        conn._impl._adapter_emit_data(big)
+        for data in small[10:]:
+            conn._impl._adapter_emit_data(data)
+    writes = conn._impl.writes
+    assert b"".join(writes) == b"".join(small[:10]) + big + b"".join(small[10:])
+    assert writes[1] is big  # not copied into a join
+    assert max(len(w) for w in writes if w is not big) <= amqp.COALESCE_BYTES + 1000
+    assert len(writes) <= 6

@@ -83,7 +83,7 @@ def test_resolve_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(("options", "settings"), [
     (RELAY_OPTIONS, RelaySettings), (RESOLVER_OPTIONS, ResolverSettings)])
-def test_option_defaults_match_the_settings_defaults(options: tuple[config.Option, ...],
+def test_option_defaults_match_the_settings_defaults(options: tuple[config.Option[Any], ...],
                                                       settings: type[Any]) -> None:
     values = resolve(ns(), options, REQUIRED)
     defaults = {f.name: f.default for f in dataclasses.fields(settings)
@@ -101,14 +101,35 @@ def test_add_options_makes_flags_whose_help_names_the_env_var() -> None:
     assert parser.parse_args(["--batch-size", "3"]).batch_size == "3"
     assert parser.parse_args([]).batch_size is None
     assert "env OUTBOX_BATCH_SIZE; default: 2000" in help_text
-    assert "env OUTBOX_DATABASE_URL; required" in help_text
+    assert "env OUTBOX_DATABASE_URL or OUTBOX_DATABASE_URL_FILE; required" in help_text
+
+
+def test_each_settings_field_is_declared_by_an_option_of_the_same_name() -> None:
+    for settings in (RelaySettings, ResolverSettings):
+        options = config.options_of(settings)
+        assert [o.dest for o in options] == [f.name for f in dataclasses.fields(settings)]
+        assert len({o.env for o in options}) == len(options)
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        batch_size: int = 5
+
+    with pytest.raises(TypeError, match=r"Undeclared\.batch_size is not declared"):
+        config.options_of(Undeclared)
+
+
+def test_settings_fields_have_the_type_their_parser_returns() -> None:
+    values = resolve(ns(), RELAY_OPTIONS, REQUIRED)
+    for item in dataclasses.fields(RelaySettings):
+        assert type(values[item.name]).__name__ == item.type, item.name
 
 
 # -- required and secret settings -------------------------------------------------------------
 
 
 def test_missing_required_setting_names_env_var_and_flag() -> None:
-    with pytest.raises(ConfigError, match=r"^OUTBOX_AMQP_URL \(or --amqp-url\) is required$"):
+    with pytest.raises(ConfigError,
+                       match=r"^OUTBOX_AMQP_URL \(or --amqp-url, OUTBOX_AMQP_URL_FILE\) is required$"):
         resolve(ns(), RELAY_OPTIONS, {"OUTBOX_DATABASE_URL": REQUIRED["OUTBOX_DATABASE_URL"]})
 
 
@@ -130,6 +151,81 @@ def test_bad_amqp_url_is_refused_without_showing_it(url: str) -> None:
     message = relay_error(OUTBOX_AMQP_URL=url)
 
     assert message == "OUTBOX_AMQP_URL must start with amqp:// or amqps:// (got <hidden>)"
+
+
+@pytest.mark.parametrize("option", [config.DATABASE_URL, config.AMQP_URL])
+def test_secret_urls_are_read_from_the_file_their_FILE_variable_names(
+    option: config.Option[Any], tmp_path: Path
+) -> None:
+    secret = tmp_path / "url"
+    secret.write_text(REQUIRED[option.env] + "\n")  # as `echo url > file` writes it
+    env = {key: value for key, value in REQUIRED.items() if key != option.env}
+
+    values = resolve(ns(), RELAY_OPTIONS, {**env, f"{option.env}_FILE": str(secret)})
+
+    assert values[option.dest] == REQUIRED[option.env]
+
+
+def test_the_flag_wins_over_a_FILE_variable(tmp_path: Path) -> None:
+    secret = tmp_path / "url"
+    secret.write_text("amqp://from-file/")
+    values = resolve(ns(amqp_url="amqp://from-flag/"), RELAY_OPTIONS,
+                     {**REQUIRED, "OUTBOX_AMQP_URL": "", "OUTBOX_AMQP_URL_FILE": str(secret)})
+
+    assert values["amqp_url"] == "amqp://from-flag/"
+
+
+def test_a_variable_and_its_FILE_form_together_are_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "url"
+    secret.write_text("amqp://u:hunter2@mq/")
+
+    message = relay_error(OUTBOX_AMQP_URL_FILE=str(secret))
+
+    assert message == "OUTBOX_AMQP_URL and OUTBOX_AMQP_URL_FILE are both set: set only one"
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (None, "a file that cannot be read: '{path}' (No such file or directory)"),
+    ("dir", "a file that cannot be read: '{path}' (Is a directory)"),
+    (b"", "an empty file: '{path}'"),
+    (b" \n", "an empty file: '{path}'"),
+    (b"amqp://u:hunter2\xff@mq/", "a file that is not UTF-8 text: '{path}'"),
+    (b"amqp://u:hunter2@mq/" + b"x" * 70000, "a file larger than 64 KiB: '{path}'"),
+])
+def test_an_unusable_secret_file_is_one_line_naming_the_variable_never_its_content(
+    content: bytes | str | None, reason: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "secret"
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    env = {"OUTBOX_DATABASE_URL": REQUIRED["OUTBOX_DATABASE_URL"],
+           "OUTBOX_AMQP_URL_FILE": str(path)}
+
+    with pytest.raises(ConfigError) as info:
+        resolve(ns(), RELAY_OPTIONS, env)
+
+    message = str(info.value)
+    assert message == "OUTBOX_AMQP_URL_FILE names " + reason.format(path=path)
+    assert "hunter2" not in message and "\n" not in message
+
+
+def test_a_bad_url_in_a_secret_file_names_the_FILE_variable_and_hides_the_url(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("mysql://u:hunter2@db/app\n")
+
+    message = relay_error(OUTBOX_DATABASE_URL="", OUTBOX_DATABASE_URL_FILE=str(path))
+
+    assert message.startswith("OUTBOX_DATABASE_URL_FILE ")
+    assert message.endswith("(got <hidden>)")
+    assert "hunter2" not in message
+
+
+def test_only_secrets_have_a_FILE_form() -> None:
+    assert {o.env for o in RELAY_OPTIONS if o.file_env} == {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"}
+    assert "OUTBOX_TABLE_FILE" not in config.env_names(RELAY_OPTIONS)
+    assert "OUTBOX_AMQP_URL_FILE" in config.env_names(RESOLVER_OPTIONS)
 
 
 def test_bad_url_given_as_flag_names_the_flag_and_hides_it() -> None:
@@ -233,7 +329,8 @@ def test_trailing_newline_is_refused(env: str, value: str) -> None:
 
 def test_poll_min_above_max_is_refused() -> None:
     with pytest.raises(ConfigError, match="OUTBOX_POLL_MIN_INTERVAL must not exceed OUTBOX_POLL_MAX"):
-        RelaySettings("postgresql://db", "amqp://mq", poll_min_interval=1.0, poll_max_interval=0.5)
+        RelaySettings("postgresql://db", "amqp://mq", poll_min_interval=1.0,
+                      poll_max_interval=0.5)
 
 
 def test_retry_base_above_max_is_refused() -> None:
@@ -300,3 +397,99 @@ def test_amqps_url_with_a_ca_file_is_accepted(tmp_path: Path) -> None:
         {"ssl_options": repr({"ca_certs": str(ca), "server_hostname": "mq.example"})})
 
     assert relay_values(OUTBOX_AMQP_URL=url)["amqp_url"] == url
+
+
+# -- hostile values (issue 10) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", [
+    "OUTBOX_CONFIRM_TIMEOUT", "OUTBOX_CONNECT_TIMEOUT", "OUTBOX_RECONNECT_MAX_DELAY",
+    "OUTBOX_RETRY_BASE_DELAY", "OUTBOX_RETRY_MAX_DELAY", "OUTBOX_POLL_MIN_INTERVAL",
+    "OUTBOX_POLL_MAX_INTERVAL", "OUTBOX_STATS_INTERVAL"])
+@pytest.mark.parametrize("value", ["inf", "Infinity", "-inf", "nan", "1e309", "604801",
+                                   "99999999999999999999"])
+def test_infinite_and_absurd_seconds_are_refused(env: str, value: str) -> None:
+    message = relay_error(**{env: value})
+
+    assert message.startswith(f"{env} must be a number of seconds")
+    assert message.endswith(f"(got {value!r})")
+
+
+@pytest.mark.parametrize("env", ["OUTBOX_RESOLVER_INTERVAL", "OUTBOX_RESOLVER_HARD_LIMIT",
+                                 "OUTBOX_LEDGER_READ_MARGIN", "OUTBOX_LEDGER_READ_TIMEOUT"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e309"])
+def test_resolver_refuses_infinite_seconds(env: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{env} must be a number of seconds"):
+        resolve(ns(), RESOLVER_OPTIONS, {**REQUIRED, env: value})
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("OUTBOX_BATCH_SIZE", "99999999999999999999"), ("OUTBOX_BATCH_SIZE", "1000001"),
+    ("OUTBOX_MAX_ATTEMPTS", "99999999999999999999"),
+    ("OUTBOX_MAX_MESSAGE_BYTES", "99999999999999999999"),
+    ("OUTBOX_MAX_MESSAGE_BYTES", str(512 * 1024 * 1024 + 1)),
+    ("OUTBOX_BATCH_MAX_BYTES", "0"), ("OUTBOX_BATCH_MAX_BYTES", "99999999999999999999"),
+])
+def test_absurd_sizes_are_refused(env: str, value: str) -> None:
+    message = relay_error(**{env: value})
+
+    assert message.startswith(f"{env} must be ")
+    assert " to " in message
+
+
+def test_largest_sane_values_are_accepted() -> None:
+    values = relay_values(OUTBOX_CONFIRM_TIMEOUT="604800", OUTBOX_BATCH_SIZE="1000000",
+                          OUTBOX_MAX_MESSAGE_BYTES=str(512 * 1024 * 1024))
+
+    assert values["confirm_timeout"] == 604800.0
+    assert values["batch_size"] == 1_000_000
+
+
+@pytest.mark.parametrize("url", [
+    "amqp://relay:Xq/Zw@mq:5672/%2F", "amqp://relay:Xq#Zw@mq:5672/%2F",
+    "amqp://relay:Xq?Zw@mq:5672/%2F", "amqp://relay:12/Zw@mq:5672/%2F",
+    "amqps://relay:5671/Zw@mq/%2F", "amqp://relay:Xq?heartbeat=5@mq/",
+])
+def test_amqp_password_with_unencoded_delimiters_never_leaks(url: str) -> None:
+    message = relay_error(OUTBOX_AMQP_URL=url)
+
+    assert message.startswith("OUTBOX_AMQP_URL ")
+    assert "Xq" not in message and "Zw" not in message
+    assert "percent-encode" in message
+    assert message.endswith("(got <hidden>)")
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://relay:se/cret@db/app", "postgresql://relay:5432/cret@db/app",
+    "postgresql://relay:se%zzcret@db/app",
+])
+def test_postgres_password_with_unencoded_delimiters_never_leaks(url: str) -> None:
+    message = relay_error(OUTBOX_DATABASE_URL=url)
+
+    assert "cret" not in message
+    assert "percent-encode" in message
+    assert message.endswith("(got <hidden>)")
+
+
+@pytest.mark.parametrize("url", ["postgresql://relay:se%2Fcret@db/app",
+                                 "postgresql://relay:s#cr?t@db/app", "postgresql://relay:se:cret@db/app",
+                                 "postgresql://db/app?user=a%40b"])
+def test_encoded_or_libpq_safe_passwords_are_accepted(url: str) -> None:
+    assert relay_values(OUTBOX_DATABASE_URL=url)["database_url"] == url
+
+
+def test_amqp_password_percent_encoded_is_accepted() -> None:
+    url = "amqp://relay:se%2Fc%23r%3Ft@mq:5672/%2F"
+
+    assert relay_values(OUTBOX_AMQP_URL=url)["amqp_url"] == url
+
+
+def test_ledger_stream_in_the_reserved_amq_namespace_is_refused() -> None:
+    assert relay_error(OUTBOX_LEDGER_STREAM="amq.ledger").startswith(
+        "OUTBOX_LEDGER_STREAM must not start with amq.")
+
+
+def test_resolver_knows_the_outbox_table_for_the_ledger_key() -> None:
+    values = resolve(ns(), RESOLVER_OPTIONS, {**REQUIRED, "OUTBOX_TABLE": "billing.events"})
+
+    assert values["table"] == "billing.events"

@@ -1,8 +1,8 @@
-"""The deployment files agree with the code: no Docker, no servers, no PyYAML needed.
+"""The deployment files agree with the code: no Docker engine, no servers.
 
-docker-compose.yml and deploy/prometheus/prometheus.yml are kept to plain block YAML (mappings,
-``- item`` lists, JSON-style flow lists, full-line comments), which the small reader below
-understands; where PyYAML happens to be installed, a test checks the reader agrees with it.
+docker-compose.yml is read with PyYAML as compose reads it (anchors, ``<<`` merge keys), and
+each service's command and environment is resolved by the programs' own option parsing. The
+healthchecks run against a real metrics server of this process.
 """
 
 from __future__ import annotations
@@ -12,13 +12,18 @@ import importlib.util
 import itertools
 import json
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from relay import cli as relay_cli
-from relay import config
+from relay import config, metrics
+from relay.health import Health
 from resolver import cli as resolver_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,112 +31,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 PRODUCER = ROOT / "deploy" / "demo" / "producer.py"
-
-
-# -- a reader for the block-YAML subset the deploy files use ------------------------------------
-
-_KEY_RE = re.compile(r"^(?P<key>[A-Za-z0-9_][A-Za-z0-9_.-]*):(?: +(?P<rest>.*))?$")
-_INT_RE = re.compile(r"^-?[0-9]+$")
-# YAML 1.1 reads these as booleans: the files must quote them (as compose needs restart: "no").
-_AMBIGUOUS = {"yes", "no", "on", "off", "y", "n", "true", "false", "null", "~"}
-
-
-def load_yaml(text: str) -> Any:
-    lines: list[tuple[int, str]] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#") or stripped == "---":
-            continue
-        if "\t" in raw[: len(raw) - len(raw.lstrip())]:
-            raise ValueError(f"line {number}: tab in indentation")
-        lines.append((len(raw) - len(raw.lstrip(" ")), stripped))
-    if not lines:
-        return None
-    value, pos = _block(lines, 0, lines[0][0])
-    if pos != len(lines):
-        raise ValueError(f"unexpected indentation at {lines[pos][1]!r}")
-    return value
-
-
-def _is_item(text: str) -> bool:
-    return text == "-" or text.startswith("- ")
-
-
-def _block(lines: list[tuple[int, str]], pos: int, indent: int) -> tuple[Any, int]:
-    if _is_item(lines[pos][1]):
-        return _sequence(lines, pos, indent)
-    return _mapping(lines, pos, indent)
-
-
-def _mapping(lines: list[tuple[int, str]], pos: int, indent: int) -> tuple[dict[str, Any], int]:
-    out: dict[str, Any] = {}
-    while pos < len(lines) and lines[pos][0] == indent and not _is_item(lines[pos][1]):
-        match = _KEY_RE.match(lines[pos][1])
-        if match is None:
-            raise ValueError(f"not a 'key: value' line: {lines[pos][1]!r}")
-        key, rest = match["key"], match["rest"]
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        pos += 1
-        if rest:
-            out[key] = _scalar(rest)
-        elif pos < len(lines) and lines[pos][0] > indent:
-            out[key], pos = _block(lines, pos, lines[pos][0])
-        elif pos < len(lines) and lines[pos][0] == indent and _is_item(lines[pos][1]):
-            out[key], pos = _sequence(lines, pos, indent)
-        else:
-            out[key] = None
-    return out, pos
-
-
-def _sequence(lines: list[tuple[int, str]], pos: int, indent: int) -> tuple[list[Any], int]:
-    out: list[Any] = []
-    while pos < len(lines) and lines[pos][0] == indent and _is_item(lines[pos][1]):
-        text = lines[pos][1][1:].lstrip(" ")
-        if _KEY_RE.match(text):
-            # "- key: value" opens a mapping whose keys line up with this first one.
-            lines[pos] = (indent + len(lines[pos][1]) - len(text), text)
-            item, pos = _mapping(lines, pos, lines[pos][0])
-        elif text:
-            item, pos = _scalar(text), pos + 1
-        else:
-            raise ValueError("a bare '-' item is not supported")
-        out.append(item)
-    return out, pos
-
-
-def _scalar(text: str) -> Any:
-    if text[0] in "[{\"":
-        return json.loads(text)  # flow lists and double-quoted strings are written as JSON
-    if text[0] == "'":
-        if len(text) < 2 or not text.endswith("'"):
-            raise ValueError(f"unterminated quote: {text!r}")
-        return text[1:-1].replace("''", "'")
-    if " #" in text or text[0] in "&*!|>%@`":
-        raise ValueError(f"unsupported YAML in {text!r}: quote it or move the comment")
-    if text.lower() in _AMBIGUOUS:
-        raise ValueError(f"{text!r} is read differently by YAML 1.1 and 1.2: quote it")
-    if _INT_RE.match(text):
-        return int(text)
-    return text
-
-
-def test_reader_reads_what_it_must() -> None:
-    doc = load_yaml(
-        "# c\na:\n  b: 1\n  c: [\"x\", \"y\"]\n  d:\n  - p\n  - 'q''s'\n"
-        "e:\n  - f: 5s\n    g:\n      - targets: [\"h:1\"]\n  - f: t\n"
-    )
-    assert doc == {"a": {"b": 1, "c": ["x", "y"], "d": ["p", "q's"]},
-                   "e": [{"f": "5s", "g": [{"targets": ["h:1"]}]}, {"f": "t"}]}
-    for bad in ("a: no\n", "a: b # c\n", "a: &x 1\n", "a:\n  b: 1\n   c: 2\n", "a: 1\na: 2\n"):
-        with pytest.raises(ValueError):
-            load_yaml(bad)
-
-
-@pytest.mark.parametrize("path", [COMPOSE, PROMETHEUS], ids=lambda p: p.name)
-def test_reader_agrees_with_pyyaml(path: Path) -> None:
-    import yaml  # a test dependency: the cross-check must run, not skip
-    assert load_yaml(path.read_text("utf-8")) == yaml.safe_load(path.read_text("utf-8"))
+CONSUMER = ROOT / "deploy" / "demo" / "consumer.py"
 
 
 # -- what each service runs -----------------------------------------------------------------
@@ -141,7 +41,7 @@ PROGRAMS = {"outbox-relay": "relay.cli:main", "outbox-resolver": "resolver.cli:m
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    doc = load_yaml(COMPOSE.read_text("utf-8"))
+    doc = yaml.safe_load(COMPOSE.read_text("utf-8"))
     assert isinstance(doc, dict)
     return doc
 
@@ -149,8 +49,8 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     found = compose["services"]
-    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "producer", "prometheus",
-            "grafana"} <= set(found)
+    assert {"postgres", "rabbitmq", "migrate", "relay", "resolver", "producer", "consumer",
+            "prometheus", "grafana"} <= set(found)
     return found  # type: ignore[no-any-return]
 
 
@@ -208,7 +108,8 @@ def test_console_scripts_exist() -> None:
     text = (ROOT / "pyproject.toml").read_text("utf-8")
     section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     scripts = dict(re.findall(r'^\s*"?([\w.-]+)"?\s*=\s*"([^"]+)"', section, re.M))
-    assert scripts == PROGRAMS
+    # The two programs, and the consumers' inbox tool (not a service of the deployment).
+    assert scripts == {**PROGRAMS, "outbox-inbox": "relay.inbox_cli:main"}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -326,56 +227,76 @@ def test_urls_point_at_the_compose_servers(services: dict[str, dict[str, Any]]) 
         )
 
 
-# -- the demo producer ------------------------------------------------------------------------
+# -- the demo producer and consumer ----------------------------------------------------------
 
-def producer_module() -> Any:
-    """deploy/demo/producer.py, imported from its file (it is mounted, not installed)."""
-    spec = importlib.util.spec_from_file_location("demo_producer", PRODUCER)
+def demo_module(path: Path) -> Any:
+    """A script of deploy/demo/, imported from its file (it is mounted, not installed)."""
+    spec = importlib.util.spec_from_file_location(f"demo_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def test_producer_runs_the_mounted_demo_script(services: dict[str, dict[str, Any]]) -> None:
-    producer = services["producer"]
-    assert producer["build"] == "."
-    assert producer["image"] == "outbox-relay:dev"
-    command = _command(producer)
+def producer_module() -> Any:
+    return demo_module(PRODUCER)
+
+
+@pytest.mark.parametrize(("name", "script", "depends_on"), [
+    ("producer", PRODUCER, {"migrate": {"condition": "service_completed_successfully"},
+                            "rabbitmq": {"condition": "service_healthy"}}),
+    ("consumer", CONSUMER, {"rabbitmq": {"condition": "service_healthy"}}),
+])
+def test_demo_services_run_the_mounted_demo_scripts(
+    services: dict[str, dict[str, Any]], name: str, script: Path, depends_on: dict[str, Any]
+) -> None:
+    service = services[name]
+    assert service["build"] == "."
+    assert service["image"] == "outbox-relay:dev"
+    command = _command(service)
     assert command[0] == "python"
-    mounts = [volume.split(":") for volume in producer["volumes"]]
+    mounts = [volume.split(":") for volume in service["volumes"]]
     assert mounts == [["./deploy/demo", "/demo", "ro"]]
-    script = Path(command[1])
-    assert script.parent == Path("/demo")
-    assert (ROOT / "deploy" / "demo" / script.name) == PRODUCER and PRODUCER.is_file()
-    assert producer["stop_signal"] == "SIGTERM"
-    assert producer["restart"] == "on-failure"
-    assert producer["depends_on"] == {
-        "migrate": {"condition": "service_completed_successfully"},
-        "rabbitmq": {"condition": "service_healthy"},
-    }
+    mounted = Path(command[1])
+    assert mounted.parent == Path("/demo")
+    assert (ROOT / "deploy" / "demo" / mounted.name) == script and script.is_file()
+    assert service["stop_signal"] == "SIGTERM"
+    assert service["restart"] == "on-failure"
+    assert service["depends_on"] == depends_on
 
 
-def test_producer_environment_is_its_settings_and_matches_the_relay(
+def _demo_values(services: dict[str, dict[str, Any]], name: str, script: Path) -> dict[str, Any]:
+    module = demo_module(script)
+    by_env = {option.env: option for option in module.OPTIONS}
+    env = _environment(services[name])
+    for key, value in env.items():
+        assert key in by_env, f"{name}: {key} is not read by {script.name}"
+        by_env[key].parse(value)
+    args = module.build_parser().parse_args(_command(services[name])[2:])
+    return config.resolve(args, module.OPTIONS, environ=env)  # type: ignore[no-any-return]
+
+
+def test_demo_environment_is_their_settings_and_matches_the_relay(
     services: dict[str, dict[str, Any]]
 ) -> None:
-    module = producer_module()
-    by_env = {option.env: option for option in module.OPTIONS}
-    env = _environment(services["producer"])
-    for key, value in env.items():
-        assert key in by_env, f"producer: {key} is not read by {PRODUCER.name}"
-        by_env[key].parse(value)
-    args = module.build_parser().parse_args(_command(services["producer"])[2:])
-    values = config.resolve(args, module.OPTIONS, environ=env)
+    producer = _demo_values(services, "producer", PRODUCER)
+    consumer = _demo_values(services, "consumer", CONSUMER)
     relay = _settings(services["relay"])
     for key in ("database_url", "amqp_url", "table"):
-        assert values[key] == relay[key], key
+        assert producer[key] == relay[key], key
     # The relay publishes mandatory: an event to an exchange without a bound queue fails.
-    assert values["exchange"] and values["queue"]
+    assert producer["exchange"] and producer["queue"]
+    # The consumer reads what the producer's events are routed to.
+    assert consumer["queue"] == producer["queue"]
+    assert consumer["amqp_url"] == relay["amqp_url"]
 
 
-def test_producer_help_names_every_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
-    module = producer_module()
+@pytest.mark.parametrize("script", [PRODUCER, CONSUMER], ids=lambda p: p.name)
+def test_demo_help_names_every_environment_variable(
+    capsys: pytest.CaptureFixture[str], script: Path
+) -> None:
+    module = demo_module(script)
     with pytest.raises(SystemExit) as exit_info:
         module.build_parser().parse_args(["--help"])
     assert exit_info.value.code == 0
@@ -384,10 +305,70 @@ def test_producer_help_names_every_environment_variable(capsys: pytest.CaptureFi
         assert option.flag in text and f"env {option.env}" in text
 
 
+def test_the_consumer_drops_copies_by_message_id() -> None:
+    dedup = demo_module(CONSUMER).Dedup(limit=2)
+    seen = [dedup.first_time(i) for i in ("a", "b", "a", "c", "a", "b", None)]
+    # It remembers the 2 ids seen last: "a" (seen again) stays, "b" is forgotten for "c".
+    assert seen == [True, True, False, True, False, True, True]
+    assert (dedup.received, dedup.duplicates) == (5, 2)
+
+
+# -- several relays, healthchecks -----------------------------------------------------------
+
+def test_compose_writes_the_shared_settings_once(compose: dict[str, Any]) -> None:
+    text = COMPOSE.read_text("utf-8")
+    for value in ("postgresql://outbox:outbox@postgres:5432/outbox",
+                  "amqp://outbox:outbox@rabbitmq:5672/%2F", "outbox.ledger"):
+        assert text.count(value) == 1, value
+    assert "x-database" in compose and "x-broker" in compose and "x-protocol" in compose
+
+
+def test_the_relay_can_be_scaled(services: dict[str, dict[str, Any]]) -> None:
+    relay = services["relay"]
+    # A fixed host port (or name) makes `docker compose up --scale relay=3` fail on the second.
+    assert "ports" not in relay and "container_name" not in relay
+    prometheus = yaml.safe_load(PROMETHEUS.read_text("utf-8"))
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "outbox-relay"]
+    # Every replica is scraped: Docker's DNS answers the service name with all of them.
+    assert job["dns_sd_configs"] == [{"names": ["relay"], "type": "A",
+                                      "port": _settings(relay)["metrics_port"],
+                                      "refresh_interval": "5s"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("name", ["relay", "resolver"])
+def test_healthchecks_ask_readyz_and_work_in_the_image(
+    services: dict[str, dict[str, Any]], name: str
+) -> None:
+    check = services[name]["healthcheck"]
+    test = check["test"]
+    port = _settings(services[name])["metrics_port"]
+    assert test[:3] == ["CMD", "python", "-c"], "the image has Python, no curl or wget"
+    assert f"http://127.0.0.1:{port}/readyz" in test[3]
+    # The same command against a real metrics server: exit 0 when ready, not when not.
+    health = Health(("postgresql",), stall_after=30)
+    served = _free_port()
+    server = metrics.serve(metrics.ResolverMetrics().registry, "127.0.0.1", served, health)
+    assert server is not None
+    try:
+        command = [sys.executable, "-c", test[3].replace(f":{port}/", f":{served}/")]
+        assert subprocess.run(command, capture_output=True, timeout=30).returncode != 0
+        health.set_check("postgresql", None)
+        assert subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- Prometheus -----------------------------------------------------------------------------
 
 def test_prometheus_scrapes_the_configured_metrics_ports(services: dict[str, dict[str, Any]]) -> None:
-    prometheus = load_yaml(PROMETHEUS.read_text("utf-8"))
+    prometheus = yaml.safe_load(PROMETHEUS.read_text("utf-8"))
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert set(jobs) == {"outbox-relay", "outbox-resolver"}
     assert prometheus["global"]["scrape_interval"] == "5s"
@@ -395,9 +376,10 @@ def test_prometheus_scrapes_the_configured_metrics_ports(services: dict[str, dic
         job = jobs[job_name]
         assert job.get("scrape_interval", "5s") == "5s"
         assert job.get("metrics_path", "/metrics") == "/metrics"
-        targets = [target for group in job["static_configs"] for target in group["targets"]]
         port = _settings(services[service_name])["metrics_port"]
         assert port > 0, f"{service_name} has its metrics endpoint disabled"
+        targets = [t for group in job.get("static_configs", []) for t in group["targets"]]
+        targets += [f"{n}:{d['port']}" for d in job.get("dns_sd_configs", []) for n in d["names"]]
         assert targets == [f"{service_name}:{port}"]
         assert str(port) in [str(p) for p in services[service_name].get("expose", [])]
 
@@ -448,12 +430,14 @@ def test_dockerfile_runs_either_program() -> None:
 DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-relay.json"
 
 
-def readme_metrics() -> set[str]:
-    text = (ROOT / "README.md").read_text("utf-8")
-    return set(re.findall(r"^\| `(outbox_[a-z_]+)(?:\{[a-z_,]+\})?` \|", text, re.M))
+def declared_metrics() -> set[str]:
+    """The metrics both programs declare (docs/operations.md's table is generated from these)."""
+    return {described.name for registry in (metrics.RelayMetrics().registry,
+                                            metrics.ResolverMetrics().registry)
+            for described in metrics.describe(registry)}
 
 
-def test_dashboard_is_built_on_the_documented_metrics_only() -> None:
+def test_dashboard_is_built_on_the_declared_metrics_only() -> None:
     board = json.loads(DASHBOARD.read_text("utf-8"))
     used: set[str] = set()
     for panel in board["panels"]:
@@ -461,18 +445,76 @@ def test_dashboard_is_built_on_the_documented_metrics_only() -> None:
         for target in panel["targets"]:
             names = re.findall(r"\b(outbox_[a-z_]+)", target["expr"])
             used |= {re.sub(r"_(bucket|count|sum)$", "", name) for name in names}
-    documented = readme_metrics()
-    assert len(documented) > 15
-    assert used <= documented, used - documented
+    declared = declared_metrics()
+    assert len(declared) > 15
+    assert used <= declared, used - declared
     # The operator's questions of the issue each have a panel.
     for name in ("outbox_relay_events_published_total", "outbox_relay_lag_seconds",
                  "outbox_relay_backlog_events", "outbox_relay_batch_duration_seconds",
-                 "outbox_relay_publish_failures_total", "outbox_relay_dead_lettered_total",
+                 "outbox_relay_row_failures_total", "outbox_relay_batch_failures_total",
+                 "outbox_relay_dead_lettered_total",
                  "outbox_relay_reconnects_total", "outbox_prepared_transactions",
                  "outbox_prepared_oldest_age_seconds", "outbox_resolver_decisions_total",
                  "outbox_prepared_holding_vacuum_age_seconds",
                  "outbox_xmin_horizon_age_transactions"):
         assert name in used, name
+
+
+def test_every_dashboard_query_keeps_the_outboxes_apart() -> None:
+    board = json.loads(DASHBOARD.read_text("utf-8"))
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"datasource", "namespace", "job", "instance"} <= set(variables)
+    for name in ("namespace", "job", "instance"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            # Every selector is filtered by the three variables; nothing names a job.
+            selectors = re.findall(r"\b[a-z_]+\{([^}]*)\}", expr)
+            assert selectors, expr
+            for selector in selectors:
+                for name in ("namespace", "job", "instance"):
+                    assert f'{name}=~"${name}"' in selector, expr
+            assert 'job="' not in expr
+            # Rates over Grafana's interval, never a hard-coded one.
+            for window in re.findall(r"rate\([^\[]*\[([^\]]+)\]", expr):
+                assert window == "$__rate_interval", expr
+            # Aggregations keep which outbox it is.
+            for grouping in re.findall(r"\b(?:sum|max|min|count)\s+by\s*\(([^)]*)\)", expr):
+                assert "job" in grouping, expr
+
+
+def _alert_levels() -> dict[str, float]:
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text("utf-8"))
+    levels = {}
+    for rule in rules["groups"][0]["rules"]:
+        found = re.findall(r"> ([0-9]+)\b", rule["expr"])
+        if found:
+            levels[rule["alert"]] = max(float(n) for n in found)
+    return levels
+
+
+@pytest.mark.parametrize(("title", "alert"), [
+    ("Lag (oldest unpublished event)", "OutboxLagHigh"),
+    ("Backlog", "OutboxBacklogGrowing"),
+    ("Oldest prepared transaction", "OutboxPreparedTransactionInDoubt"),
+    ("Since last resolver scan", "OutboxResolverNotRunning"),
+])
+def test_dashboard_thresholds_are_the_alert_levels(title: str, alert: str) -> None:
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text("utf-8"))["panels"]}
+    steps = panels[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps[-1]["color"] == "red"
+    assert steps[-1]["value"] == _alert_levels()[alert]
+    # The alert's threshold also appears in the panel's description for a reader.
+    assert f"{_alert_levels()[alert]:,.0f}" in panels[title]["description"]
+
+
+def test_the_dashboard_shows_memory_and_cpu_of_our_processes_only() -> None:
+    exprs = " ".join(t["expr"] for p in json.loads(DASHBOARD.read_text("utf-8"))["panels"]
+                     for t in p["targets"])
+    for standard in ("process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert re.search(standard + r"\{[^}]*\}(\[[^]]*\])?\)? and on \(namespace, job, instance\)",
+                         exprs), standard
 
 
 def test_dashboard_panels_have_unique_ids_and_do_not_overlap() -> None:
@@ -492,7 +534,6 @@ def test_grafana_provisions_the_dashboard_and_the_prometheus_datasource(
     services: dict[str, dict[str, Any]]
 ) -> None:
     provisioning = ROOT / "deploy" / "grafana" / "provisioning"
-    import yaml  # Grafana's own files are not kept to the subset load_yaml reads
     providers = yaml.safe_load((provisioning / "dashboards" / "outbox.yml").read_text("utf-8"))
     (provider,) = providers["providers"]
     mounts = dict(volume.rsplit(":", 1)[0].split(":", 1) for volume in services["grafana"]["volumes"])

@@ -29,6 +29,7 @@ def test_parse_reads_the_instance_as_hex() -> None:
     "outbox:00000ABC:1", "outbox:0000zzzz:1", "Outbox:00000abc:1", "1outbox:00000abc:1",
     "a" * 33 + ":00000abc:1", "outbox:00000abc:12345678901234567890", "outbox:00000abc:-1",
     "outbox:00000abc:1:2", " outbox:00000abc:1", "_pg_foreign_xact", "outbox:00000abc:",
+    "outbox:00000abc:1\n", "outbox\n:00000abc:1",
 ])
 def test_parse_returns_none_for_foreign_transactions(text: str) -> None:
     assert Gid.parse(text) is None
@@ -43,7 +44,7 @@ def test_longest_gid_fits_postgres_200_byte_limit() -> None:
 
 @pytest.mark.parametrize(("prefix", "ok"), [
     ("a", True), ("a" * 32, True), ("a" * 33, False), ("out_box-2", True), ("Outbox", False),
-    ("9lives", False), ("out:box", False), ("out'box", False), ("", False),
+    ("9lives", False), ("out:box", False), ("out'box", False), ("", False), ("outbox\n", False),
 ])
 def test_prefix_pattern(prefix: str, ok: bool) -> None:
     assert (PREFIX_RE.match(prefix) is not None) is ok

@@ -1,81 +1,220 @@
-"""The Kubernetes example only uses real settings with valid values, and real probe paths."""
+"""The Kubernetes example (deploy/kubernetes/) is valid against the Kubernetes schemas (offline,
+with kubernetes-validate), passes the "restricted" Pod Security Standard, and uses only real
+settings with valid values, real probe paths and the secrets it mounts. No cluster needed."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import kubernetes_validate
+import pytest
 import yaml
 
-from relay.config import RELAY_OPTIONS, RESOLVER_OPTIONS
+from relay import cli as relay_cli
+from relay import config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "sidecar.yaml"
+KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+SIDECAR = KUBERNETES / "sidecar.yaml"
+# Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
+KUBERNETES_VERSION = "1.29.0"
+
+PROGRAMS: dict[str, tuple[config.Option[Any], ...]] = {
+    "outbox-relay": config.RELAY_OPTIONS,
+    "outbox-resolver": config.RESOLVER_OPTIONS,
+    "outbox-relay migrate": tuple(relay_cli.MIGRATE_OPTIONS),
+}
 
 
-def containers() -> dict[str, dict[str, Any]]:
+def documents(path: Path = SIDECAR) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text("utf-8")) if doc]
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents() if d["kind"] == kind}
+
+
+def pod_specs() -> dict[str, dict[str, Any]]:
+    """Every pod template of the example, by its workload's name."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents()
+            if d["kind"] in ("Deployment", "Job")}
+
+
+def all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def ours() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """{program: (container, pod spec)} for the containers that run the project's image."""
     found = {}
-    for doc in yaml.safe_load_all(EXAMPLE.read_text()):
-        for container in doc["spec"]["template"]["spec"]["containers"]:
-            found[container["name"]] = container
+    for spec in pod_specs().values():
+        for container in all_containers(spec):
+            if container["image"].startswith("outbox-relay:"):
+                found[" ".join(container["args"])] = (container, spec)
+    assert set(found) == set(PROGRAMS)
     return found
 
 
-def test_env_vars_are_real_options_with_valid_values() -> None:
-    options = {"outbox-relay": {o.env: o for o in RELAY_OPTIONS},
-               "outbox-resolver": {o.env: o for o in RESOLVER_OPTIONS}}
-    for name in ("outbox-relay", "outbox-resolver"):
-        container = containers()[name]
-        assert container["args"] == [name]
+def env(container: dict[str, Any]) -> dict[str, str]:
+    return {var["name"]: var["value"] for var in container["env"]}
+
+
+@pytest.mark.parametrize("path", sorted(KUBERNETES.glob("*.yaml")), ids=lambda p: p.name)
+def test_manifests_validate_against_the_kubernetes_schemas(path: Path) -> None:
+    for doc in documents(path):
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema ships with Kubernetes (checked below and by promtool)
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_pod_passes_the_restricted_pod_security_standard() -> None:
+    for name, spec in pod_specs().items():
+        context = spec["securityContext"]
+        assert context["runAsNonRoot"] is True, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec), name
+        for volume in spec.get("volumes", []):
+            assert set(volume) <= {"name", "secret", "configMap", "emptyDir", "projected"}, volume
+        for container in all_containers(spec):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, container["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], container["name"]
+            assert not sc.get("capabilities", {}).get("add"), container["name"]
+            assert not sc.get("privileged"), container["name"]
+
+
+def test_our_containers_run_on_a_read_only_root_with_resources() -> None:
+    for program, (container, _spec) in ours().items():
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, program
+        resources = container["resources"]
+        assert resources["requests"]["cpu"] and resources["requests"]["memory"], program
+        assert resources["limits"]["memory"], program
+
+
+def test_env_vars_are_real_options_with_valid_values_and_secrets_come_from_files() -> None:
+    for program, (container, spec) in ours().items():
+        options = {o.env: o for o in PROGRAMS[program]}
+        mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+        secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
         for var in container["env"]:
-            assert var["name"] in options[name], var["name"]
-            if "value" in var:
-                options[name][var["name"]].parse(var["value"])
+            assert "valueFrom" not in var, f"{program}: {var['name']} from an env var, not a file"
+            name, value = var["name"], var["value"]
+            assert name in config.env_names(PROGRAMS[program]), f"{program}: {name}"
+            if name.endswith("_FILE"):
+                assert name.removesuffix("_FILE") in options and options[name.removesuffix("_FILE")].secret
+                # The file is a key of a mounted secret volume.
+                path = PurePosixPath(value)
+                (volume,) = [v for v, mount in mounts.items() if PurePosixPath(mount) == path.parent]
+                assert path.name in [item["path"] for item in secrets[volume]["items"]], value
+            else:
+                options[name].parse(value)
+        required = {o.env for o in PROGRAMS[program] if o.default is None}
+        given = {n.removesuffix("_FILE") for n in env(container)}
+        assert required <= given, program
+
+
+def test_the_relay_is_a_native_sidecar_without_a_readiness_probe() -> None:
+    container, spec = ours()["outbox-relay"]
+    assert container in spec["initContainers"]
+    assert container["restartPolicy"] == "Always"
+    assert "readinessProbe" not in container
+    assert "startupProbe" not in container  # the service's container starts once it runs
+    # The service's own container is a regular one: it starts after the relay, stops before it.
+    assert [c["name"] for c in spec["containers"]] == ["orders"]
 
 
 def test_probes_use_the_health_endpoints_on_the_metrics_port() -> None:
-    for name in ("outbox-relay", "outbox-resolver"):
-        container = containers()[name]
-        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-        port = {v["name"]: v.get("value") for v in container["env"]}["OUTBOX_METRICS_PORT"]
-        assert container["ports"][0]["containerPort"] == int(port)
-
-
-def documents() -> list[dict[str, Any]]:
-    return list(yaml.safe_load_all(EXAMPLE.read_text()))
+    for program in ("outbox-relay", "outbox-resolver"):
+        container, _spec = ours()[program]
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "outbox-metrics"}
+        (port,) = container["ports"]
+        assert port["name"] == "outbox-metrics"
+        assert port["containerPort"] == int(env(container)["OUTBOX_METRICS_PORT"])
+    resolver, _spec = ours()["outbox-resolver"]
+    assert resolver["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "outbox-metrics"}
 
 
 def test_the_grace_period_lets_the_batch_in_flight_finish() -> None:
-    (service,) = [d for d in documents() if d["metadata"]["name"] == "orders"]
-    spec = service["spec"]["template"]["spec"]
-    relay = containers()["outbox-relay"]
-    env = {v["name"]: v.get("value") for v in relay["env"]}
-    confirm = float(env.get("OUTBOX_CONFIRM_TIMEOUT") or _default("confirm_timeout"))
+    container, spec = ours()["outbox-relay"]
+    confirm = float(env(container).get("OUTBOX_CONFIRM_TIMEOUT") or config.CONFIRM_TIMEOUT.default or 0)
     # Confirms of the batch, then the ledger record's: two confirm timeouts at most.
     assert spec["terminationGracePeriodSeconds"] > 2 * confirm
 
 
-def _default(dest: str) -> str:
-    (option,) = [o for o in RELAY_OPTIONS if o.dest == dest]
-    assert option.default is not None
-    return option.default
-
-
-def test_containers_run_unprivileged_on_a_read_only_root() -> None:
-    for doc in documents():
-        assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    for name in ("outbox-relay", "outbox-resolver"):
-        context = containers()[name]["securityContext"]
-        assert context["allowPrivilegeEscalation"] is False
-        assert context["readOnlyRootFilesystem"] is True
-        assert context["capabilities"]["drop"] == ["ALL"]
-
-
 def test_relay_and_resolver_share_the_protocol_settings() -> None:
-    relay = {v["name"]: v for v in containers()["outbox-relay"]["env"]}
-    resolver = {v["name"]: v for v in containers()["outbox-resolver"]["env"]}
-    for name in ("OUTBOX_DATABASE_URL", "OUTBOX_GID_PREFIX", "OUTBOX_LEDGER_STREAM"):
-        # The same secret for the database URL: the resolver must log in as the relays' role.
-        assert relay[name] == resolver[name], name
+    relay, relay_pod = ours()["outbox-relay"]
+    resolver, resolver_pod = ours()["outbox-resolver"]
+    for name in ("OUTBOX_GID_PREFIX", "OUTBOX_LEDGER_STREAM", "OUTBOX_TABLE"):
+        assert env(relay)[name] == env(resolver)[name], name
+
+    def secret_key(container: dict[str, Any], pod: dict[str, Any], variable: str) -> str:
+        path = PurePosixPath(env(container)[variable])
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        (item,) = [i for i in volume["secret"]["items"] if i["path"] == path.name]
+        return f"{volume['secret']['secretName']}/{item['key']}"
+
+    # The same database secret: the resolver must log in as the relays' role.
+    assert (secret_key(relay, relay_pod, "OUTBOX_DATABASE_URL_FILE")
+            == secret_key(resolver, resolver_pod, "OUTBOX_DATABASE_URL_FILE"))
     # RabbitMQ users differ: the resolver reads the ledger, the relay publishes to exchanges.
-    assert relay["OUTBOX_AMQP_URL"] != resolver["OUTBOX_AMQP_URL"]
+    assert (secret_key(relay, relay_pod, "OUTBOX_AMQP_URL_FILE")
+            != secret_key(resolver, resolver_pod, "OUTBOX_AMQP_URL_FILE"))
+
+
+def test_the_migrate_job_runs_migrate_as_the_migrate_role() -> None:
+    (job,) = by_kind("Job").values()
+    container, spec = ours()["outbox-relay migrate"]
+    assert spec["restartPolicy"] in ("OnFailure", "Never")
+    assert job["spec"]["backoffLimit"] > 0
+    assert env(container)["OUTBOX_DATABASE_URL_FILE"].endswith("migrate-database-url")
+    relay, _pod = ours()["outbox-relay"]
+    assert env(container)["OUTBOX_TABLE"] == env(relay)["OUTBOX_TABLE"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_network_policies_open_each_metrics_port_to_prometheus_only() -> None:
+    policies = by_kind("NetworkPolicy").values()
+    for name, workload in {**by_kind("Deployment")}.items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        spec = workload["spec"]["template"]["spec"]
+        (policy,) = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        metrics_rules = [r for r in policy["spec"]["ingress"]
+                         if {"port": "outbox-metrics"} in r.get("ports", [])]
+        assert len(metrics_rules) == 1, name
+        (source,) = metrics_rules[0]["from"]
+        assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+        # Every other port the pod serves stays open (a policy would otherwise close it).
+        ports = {p["name"] for c in all_containers(spec) for p in c.get("ports", [])}
+        opened = {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]}
+        assert opened == ports, name
+
+
+def test_the_pod_monitor_scrapes_every_relay_and_resolver_pod_by_job() -> None:
+    (monitor,) = documents(KUBERNETES / "podmonitor.yaml")
+    assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = monitor["spec"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for program in ("outbox-relay", "outbox-resolver"):
+        container, _spec = ours()[program]
+        (workload,) = [d for d in by_kind("Deployment").values()
+                       if container in all_containers(d["spec"]["template"]["spec"])]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert _selects(spec["selector"], labels), program
+        assert spec["jobLabel"] in labels, program
+        assert endpoint["port"] in [p["name"] for p in container["ports"]]
+
+
+def test_the_prometheus_rule_holds_the_alert_rules() -> None:
+    (rule,) = documents(KUBERNETES / "prometheusrule.yaml")
+    assert rule["kind"] == "PrometheusRule" and rule["apiVersion"] == "monitoring.coreos.com/v1"
+    alerts = yaml.safe_load((KUBERNETES.parent / "prometheus" / "alerts.yml").read_text("utf-8"))
+    assert rule["spec"]["groups"] == alerts["groups"]
+    # The Prometheus Operator selects both by the same label.
+    (monitor,) = documents(KUBERNETES / "podmonitor.yaml")
+    assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]

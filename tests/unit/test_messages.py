@@ -2,25 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
 from datetime import datetime, timezone
 from typing import Any
 
+import pika.frame
 import pytest
 
-from relay.messages import SHORTSTR_MAX, to_message
+from relay.messages import (
+    HEADERS_DEPTH_MAX,
+    ORDERING_KEY_HEADER,
+    POSITION_HEADER,
+    SHORTSTR_MAX,
+    message_headers,
+    publish_problem,
+    to_message,
+)
 from relay.publisher import Message
 from relay.store import OutboxRow
 
 CREATED = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
+_MISSING = object()
 
 
-def row(**changes: Any) -> OutboxRow:
-    base = OutboxRow(id=7, message_id="evt-7", exchange="events", routing_key="order.created",
-                     ordering_key="order-1", payload='{"total": 12}', payload_bytes=None,
-                     headers={}, content_type=None, created_at=CREATED, attempts=0,
-                     last_error=None)
-    return replace(base, **changes)
+def row(*, payload: str | None = '{"total": 12}', payload_bytes: Any = None,
+        headers: Any = _MISSING, raw_headers: str | None = None,
+        created_at: datetime | None = None, created_epoch: float | None = None,
+        created_text: str | None = None, **changes: Any) -> OutboxRow:
+    """A claimed row as the claim fetches it, from convenient values."""
+    if payload_bytes is not None:
+        body, is_json = bytes(payload_bytes), False
+    else:
+        body, is_json = (payload or "").encode(), True
+    text = raw_headers if raw_headers is not None else json.dumps(
+        {} if headers is _MISSING else headers)
+    stamp = created_at or CREATED
+    values: dict[str, Any] = dict(
+        id=7, message_id="evt-7", exchange="events", routing_key="order.created",
+        ordering_key="order-1", body=body, is_json=is_json, headers=text, content_type=None,
+        created_epoch=stamp.timestamp() if created_epoch is None else created_epoch,
+        created_at=created_text or stamp.isoformat(sep=" "), attempts=0)
+    values.update(changes)
+    return OutboxRow(**values)
 
 
 def message(**changes: Any) -> Message:
@@ -29,8 +52,10 @@ def message(**changes: Any) -> Message:
     return built
 
 
-def error(max_bytes: int = 1000, **changes: Any) -> str:
-    built = to_message(row(**changes), max_bytes=max_bytes)
+def error(max_bytes: int = 1000, frame_max: int = 131072, ledger_stream: str | None = None,
+          **changes: Any) -> str:
+    built = to_message(row(**changes), max_bytes=max_bytes, frame_max=frame_max,
+                       ledger_stream=ledger_stream)
     assert isinstance(built, str), built
     return built
 
@@ -54,13 +79,6 @@ def test_raw_bytes_are_sent_as_they_are_with_octet_stream() -> None:
 
     assert built.body == b"\x00\xffraw"
     assert built.properties.content_type == "application/octet-stream"
-
-
-def test_memoryview_bytes_become_bytes() -> None:
-    built = message(payload=None, payload_bytes=memoryview(b"abc"))
-
-    assert built.body == b"abc"
-    assert type(built.body) is bytes
 
 
 def test_row_content_type_overrides_the_default() -> None:
@@ -88,14 +106,32 @@ def test_properties_are_persistent_with_message_id_and_timestamp() -> None:
     assert props.timestamp == int(CREATED.timestamp())
 
 
-def test_empty_headers_are_sent_as_none() -> None:
-    assert message(headers={}).properties.headers is None
+def test_empty_headers_of_a_row_without_ordering_key_are_sent_as_none() -> None:
+    assert message(headers={}, ordering_key=None).properties.headers is None
 
 
 def test_headers_are_passed_through() -> None:
     headers = {"tenant": "acme", "version": 3, "tags": ["a", "b"], "flag": True, "nested": {"x": None}}
 
-    assert message(headers=headers).properties.headers == headers
+    assert message(headers=headers, ordering_key=None).properties.headers == headers
+
+
+def test_a_row_with_an_ordering_key_carries_the_key_and_its_id_as_headers() -> None:
+    headers = message(headers={"tenant": "acme"}).properties.headers
+
+    assert headers == {"tenant": "acme", ORDERING_KEY_HEADER: "order-1", POSITION_HEADER: 7}
+    assert (ORDERING_KEY_HEADER, POSITION_HEADER) == ("x-ordering-key", "x-outbox-id")
+
+
+def test_the_relay_headers_replace_a_producer_header_of_the_same_name() -> None:
+    headers = message(headers={ORDERING_KEY_HEADER: "forged", POSITION_HEADER: 1}).properties.headers
+
+    assert headers == {ORDERING_KEY_HEADER: "order-1", POSITION_HEADER: 7}
+
+
+def test_message_headers_leave_what_is_not_an_object_to_the_checks() -> None:
+    assert message_headers([1], "k", 1) == [1]
+    assert error(headers=[1]) == "headers must be a JSON object, got list"
 
 
 # -- short strings ----------------------------------------------------------------------------
@@ -161,3 +197,160 @@ def test_json_body_size_counts_encoded_bytes() -> None:
 
     assert error(max_bytes=100, payload=payload) == (
         "payload of 102 bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=100")
+
+
+# -- hostile rows: decoded and refused one row at a time -------------------------------------
+
+
+def nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("depth", [HEADERS_DEPTH_MAX + 1, 1000, 5000, 100_000])
+def test_deeply_nested_headers_are_refused_never_raised(depth: int) -> None:
+    reason = error(raw_headers=nested(depth))
+
+    assert "nested" in reason
+
+
+def test_headers_nested_up_to_the_limit_are_published() -> None:
+    built = to_message(row(raw_headers=nested(HEADERS_DEPTH_MAX - 1)), max_bytes=1000)
+
+    assert isinstance(built, Message), built
+
+
+def test_deep_arrays_in_headers_are_refused() -> None:
+    assert "nested" in error(raw_headers='{"a":' + "[" * 3000 + "]" * 3000 + "}")
+
+
+@pytest.mark.parametrize(("epoch", "text"), [
+    (float("inf"), "infinity"), (float("-inf"), "-infinity"),
+    (-210863520000.0, "4713-01-01 00:00:00+00 BC"), (253402300800.0, "10000-01-01 00:00:00+00"),
+    (-1.0, "1969-12-31 23:59:59+00"), (float("nan"), "nan"),
+])
+def test_created_at_that_cannot_be_an_amqp_timestamp_is_refused_naming_it(
+        epoch: float, text: str) -> None:
+    reason = error(created_epoch=epoch, created_text=text)
+
+    assert reason.startswith(f"created_at {text!r} cannot be an AMQP timestamp")
+
+
+def test_created_at_up_to_the_last_second_of_9999_is_published() -> None:
+    built = to_message(row(created_epoch=253402300799.5, created_text="9999-12-31 23:59:59.5+00"),
+                       max_bytes=1000)
+
+    assert isinstance(built, Message) and built.properties.timestamp == 253402300799
+
+
+def test_unix_epoch_is_a_valid_timestamp() -> None:
+    built = to_message(row(created_epoch=0.0), max_bytes=1000)
+
+    assert isinstance(built, Message) and built.properties.timestamp == 0
+
+
+def test_headers_whose_frame_exceeds_frame_max_are_refused() -> None:
+    reason = error(headers={"big": "x" * 5000}, frame_max=4096)
+
+    assert reason.startswith("headers make a header frame of ")
+    assert reason.endswith("over the broker's frame_max of 4096 bytes")
+
+
+def test_header_frame_limit_is_exact() -> None:
+    headers = {"h": "x" * 3000}
+    built = to_message(row(headers=headers), max_bytes=1000)
+    assert isinstance(built, Message)
+    size = len(pika.frame.Header(1, len(built.body), built.properties).marshal())
+
+    assert isinstance(to_message(row(headers=headers), max_bytes=1000, frame_max=size), Message)
+    assert isinstance(to_message(row(headers=headers), max_bytes=1000, frame_max=size - 1), str)
+
+
+@pytest.mark.parametrize("text", ["not json", '{"a": 1', '{"a": NaN}'])
+def test_undecodable_headers_are_refused(text: str) -> None:
+    assert error(raw_headers=text).startswith("headers cannot be ")
+
+
+@pytest.mark.parametrize("headers", [{"f": 1e300}, {"f": 0.12345678901234567}])
+def test_numbers_pika_cannot_encode_are_refused(headers: dict[str, Any]) -> None:
+    assert error(headers=headers).startswith("headers cannot be encoded as an AMQP table")
+
+
+@pytest.mark.parametrize(("exchange", "routing_key"), [
+    ("", "outbox.ledger"), ("outbox.ledger", "anything"), ("outbox.ledger", "outbox.ledger")])
+def test_rows_addressed_to_the_ledger_are_refused(exchange: str, routing_key: str) -> None:
+    reason = error(exchange=exchange, routing_key=routing_key, ledger_stream="outbox.ledger")
+
+    assert reason.startswith("addressed to the ledger stream 'outbox.ledger'")
+
+
+def test_rows_for_other_queues_on_the_default_exchange_are_published() -> None:
+    built = to_message(row(exchange="", routing_key="outbox.ledger.copy"), max_bytes=1000,
+                       ledger_stream="outbox.ledger")
+
+    assert isinstance(built, Message)
+
+
+# -- the same rules from plain values (the producer-side check) ------------------------------
+
+
+def plain(**changes: Any) -> str | None:
+    """publish_problem's reason (the field it names is checked below)."""
+    values: dict[str, Any] = dict(message_id="m", exchange="events", routing_key="k",
+                                  body_size=10, max_message_bytes=1000)
+    values.update(changes)
+    found = publish_problem(**values)
+    return None if found is None else found.reason
+
+
+def test_publish_problem_accepts_a_plain_row() -> None:
+    assert plain() is None
+    assert plain(headers={"tenant": "acme"}, created_at=CREATED, content_type="text/plain") is None
+
+
+@pytest.mark.parametrize(("changes", "start"), [
+    ({"routing_key": "k" * 256}, "routing_key is longer than 255 bytes"),
+    ({"headers": [1]}, "headers must be a JSON object"),
+    ({"headers": json.loads(nested(200))}, "headers are nested deeper"),
+    ({"body_size": 1001}, "payload of 1001 bytes exceeds"),
+    ({"created_at": datetime(1960, 1, 1, tzinfo=timezone.utc)}, "created_at "),
+    ({"created_at": float("inf")}, "created_at inf cannot be"),
+    ({"headers": {"h": "x" * 200_000}}, "headers make a header frame"),
+    ({"exchange": "", "routing_key": "the.ledger", "ledger_stream": "the.ledger"},
+     "addressed to the ledger"),
+])
+def test_publish_problem_names_what_the_relay_would_dead_letter(changes: dict[str, Any],
+                                                                start: str) -> None:
+    problem = plain(**changes)
+
+    assert problem is not None and problem.startswith(start), problem
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"exchange": "e" * 256}, "exchange"),
+    ({"routing_key": "k" * 256}, "routing_key"),
+    ({"message_id": "m" * 256}, "message_id"),
+    ({"content_type": "c" * 256}, "content_type"),
+    ({"headers": [1]}, "headers"),
+    ({"headers": {"big": 2**70}}, "headers"),
+    ({"body_size": 1001}, "payload"),
+    ({"created_at": float("inf")}, "created_at"),
+    ({"exchange": "", "routing_key": "the.ledger", "ledger_stream": "the.ledger"}, "routing_key"),
+    ({"exchange": "the.ledger", "ledger_stream": "the.ledger"}, "exchange"),
+])
+def test_publish_problem_names_the_field_at_fault(changes: dict[str, Any], field: str) -> None:
+    values: dict[str, Any] = dict(message_id="m", exchange="events", routing_key="k",
+                                  body_size=10, max_message_bytes=1000)
+    found = publish_problem(**{**values, **changes})
+
+    assert found is not None and found.field == field, found
+
+
+def test_publish_problem_agrees_with_to_message() -> None:
+    for headers in ({"ok": 1}, {"big": 2**70}, {"k" * 256: 1}, [], {"h": "x" * 200_000}):
+        built = to_message(row(headers=headers), max_bytes=1000)
+        expected = built if isinstance(built, str) else None
+        # The relay stamps the row's ordering key and id into its headers; a producer passes
+        # them the same way (relay.producer), so both measure the same header frame.
+        stamped = message_headers(headers, "order-1", 7)
+        assert plain(headers=stamped, body_size=len(b'{"total": 12}'), message_id="evt-7",
+                     routing_key="order.created", created_at=CREATED) == expected

@@ -41,3 +41,40 @@ def test_publishing_without_a_connection_blames_no_row() -> None:
     message: Any = publisher_module.Message(1, "m-1", "", "q", b"{}", None)
     result = pub.publish_batch([message])
     assert result.transient and not result.failed and not result.suspect
+
+
+class RecordingChannel:
+    """The asynchronous channel's basic_publish; pika refuses to encode the poisoned message."""
+
+    is_open = True
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+
+    def basic_publish(self, *, exchange: str, routing_key: str, body: bytes, properties: Any,
+                      mandatory: bool) -> None:
+        if body == b"poison":
+            import struct
+
+            raise struct.error("argument out of range")  # what pika's encoder raises
+        self.published.append(routing_key)
+
+
+class QuietConnection:
+    is_open = True
+
+    def __init__(self) -> None:
+        self._impl = type("Impl", (), {"_transport": None, "_adapter_emit_data": print})()
+
+
+def test_a_message_pika_cannot_encode_fails_alone_and_uses_no_delivery_tag() -> None:
+    pub = make()
+    pub._conn, pub._channel = QuietConnection(), RecordingChannel()
+    messages: list[Any] = [publisher_module.Message(n, f"m-{n}", "x", f"k{n}",
+                                                    b"poison" if n == 2 else b"ok", None)
+                           for n in (1, 2, 3)]
+    pub._result = publisher_module.PublishResult()
+    pub._publish_all(messages)
+    assert list(pub._pending.items()) == [(1, 1), (2, 3)]  # tags stay aligned with the broker's
+    assert set(pub._result.failed) == {2}
+    assert pub._result.failed[2].startswith("cannot be encoded: error(")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,12 +10,20 @@ from typing import Any
 import psycopg
 import pytest
 
+from relay import ledger
 from relay.config import RelaySettings
-from relay.errors import BatchFailed, TransientError
+from relay.errors import BatchFailed, LedgerMissing, TransientError
 from relay.gid import Gid, lock_class
 from relay.metrics import RelayMetrics
 from relay.worker import Relay, failure_reason
-from tests.unit.fakes import CHANNEL_CLOSED, FakePublisher, FakeStore, LedgerRecord, Outcome
+from tests.unit.fakes import (
+    CHANNEL_CLOSED,
+    FakePublisher,
+    FakeStore,
+    LedgerRecord,
+    Outcome,
+    RawHeaders,
+)
 
 INSTANCE = 0xABC
 
@@ -44,8 +53,11 @@ class Rig:
     def batches(self, outcome: str) -> float:
         return self.metric("outbox_relay_batches_total", outcome=outcome)
 
-    def failures(self, reason: str) -> float:
-        return self.metric("outbox_relay_publish_failures_total", reason=reason)
+    def row_failures(self, reason: str) -> float:
+        return self.metric("outbox_relay_row_failures_total", reason=reason)
+
+    def batch_failures(self, reason: str) -> float:
+        return self.metric("outbox_relay_batch_failures_total", reason=reason)
 
     def dead_lettered(self, reason: str) -> float:
         return self.metric("outbox_relay_dead_lettered_total", reason=reason)
@@ -134,8 +146,25 @@ def test_ledger_record_names_the_prepared_gid_the_count_and_the_instance(rig: Ri
 
     prepared_gid = rig.store.called("prepare")[0]["gid"]
     assert prepared_gid == "outbox:00000abc:1"
-    assert rig.publisher.ledger == [LedgerRecord(prepared_gid, 2, "00000abc")]
+    xid = rig.store.xids[prepared_gid]
+    assert rig.publisher.ledger == [LedgerRecord(prepared_gid, 2, "00000abc", xid)]
     assert rig.store.called("finish") == [{"gid": prepared_gid, "commit": True}]
+
+
+def test_ledger_record_is_signed_with_the_key_and_names_xid_and_database(rig: Rig) -> None:
+    rig.store.add()
+
+    rig.relay.run_batch()
+
+    (record,) = rig.publisher.records
+    gid = rig.gid(1)
+    assert (record["xid"], record["database"]) == (rig.store.xids[gid], "fake")
+    expected = ledger.batch_record(rig.store.ledger_key, gid=gid, xid=record["xid"],
+                                   database="fake", count=1, relay="00000abc")
+    assert record == json.loads(expected)
+    forged = ledger.batch_record(b"x" * 32, gid=gid, xid=record["xid"], database="fake",
+                                 count=1, relay="00000abc")
+    assert json.loads(forged)["mac"] != record["mac"]
 
 
 def test_each_batch_gets_a_new_gid_with_the_next_sequence(rig: Rig) -> None:
@@ -154,7 +183,8 @@ def test_claim_asks_for_the_configured_batch_size(monkeypatch: pytest.MonkeyPatc
 
     assert rig.relay.run_batch() == 2
 
-    assert rig.store.called("claim") == [{"limit": 2}, {"limit": 2}]  # this batch, the next
+    # This batch, and the next with what this one left of the byte budget.
+    assert [c["limit"] for c in rig.store.called("claim")] == [2, 2]
     assert sorted(rig.store.rows) == [5]
 
 
@@ -263,8 +293,9 @@ def test_nacked_message_fails_only_its_row(rig: Rig) -> None:
     assert rig.store.rows[ids[2]].attempts == 1
     assert rig.store.rows[ids[2]].last_error == "nacked by the broker"
     assert rig.store.called("settle_failed")[0]["delivered"] == [ids[0], ids[1]]
-    assert rig.failures("nacked") == 1
-    assert rig.failures("unroutable") == 0
+    assert rig.row_failures("nacked") == 1
+    assert rig.row_failures("unroutable") == 0
+    assert rig.batch_failures("row_failures") == 1  # one batch, one failed row in it
 
 
 def test_refused_row_is_dead_lettered_after_max_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,7 +354,8 @@ def test_suspects_in_a_batch_of_several_are_never_dead_lettered(
     assert rig.store.called("settle_failed")[0]["attributed"] == []
     assert rig.store.dead_letter == {}
     assert rig.dead_lettered("exhausted") == 0
-    assert rig.failures("channel_closed") == 2
+    assert rig.row_failures("channel_closed") == 2
+    assert rig.batch_failures("row_failures") == 1
 
 
 def test_suspect_alone_in_its_batch_is_dead_lettered_after_max_attempts(
@@ -386,7 +418,9 @@ def test_connection_loss_rolls_back_and_counts_no_attempts(rig: Rig) -> None:
     assert sorted(rig.store.rows) == [ids[1], ids[2]]
     assert all(r.attempts == 0 and r.last_error is None for r in rig.store.rows.values())
     assert rig.store.called("settle_failed")[0]["failures"] == {}
-    assert rig.failures("connection_lost") == 1
+    assert rig.batch_failures("connection_lost") == 1
+    assert rig.batch_failures("row_failures") == 0
+    assert sum(rig.row_failures(r) for r in ("unroutable", "nacked", "channel_closed")) == 0
     assert rig.batches("rolled_back") == 1
 
 
@@ -398,7 +432,7 @@ def test_confirm_timeout_rolls_back_and_counts_no_attempts(rig: Rig) -> None:
 
     assert rig.store.rows[ids[0]].attempts == 0
     assert ids[1] not in rig.store.rows  # confirmed: delivered, forgotten
-    assert rig.failures("confirm_timeout") == 1
+    assert rig.batch_failures("confirm_timeout") == 1
     assert rig.store.dead_letter == {}
 
 
@@ -428,7 +462,7 @@ def test_ledger_failure_rolls_back_and_never_commits(rig: Rig, error: Exception)
     assert "commit_prepared" not in rig.journal
     assert rig.journal[rig.journal.index("ledger") + 1] == "rollback_prepared"
     assert rig.batches("rolled_back") == 1
-    assert rig.failures("ledger") == 1
+    assert rig.batch_failures("ledger") == 1
     assert rig.metric("outbox_relay_events_published_total") == 0
 
 
@@ -475,7 +509,7 @@ def test_missing_exchange_fails_only_its_rows(monkeypatch: pytest.MonkeyPatch) -
     assert failed.attempts == 1
     assert failed.last_error is not None
     assert failed.last_error.startswith("exchange 'gone' not found")
-    assert rig.failures("exchange_not_found") == 1
+    assert rig.row_failures("exchange_not_found") == 1
 
 
 def test_rows_of_a_missing_exchange_are_attributed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -901,7 +935,7 @@ def test_reconnect_retries_a_failing_connect(monkeypatch: pytest.MonkeyPatch) ->
 
     assert rig.journal.count("pg_connect") == 3
     assert len(rig.sleeps) == 2
-    assert rig.store.called("claim") == [{"limit": 10}]
+    assert [c["limit"] for c in rig.store.called("claim")] == [10]
 
 
 def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1007,3 +1041,153 @@ def test_a_connection_fault_forgets_the_claim_made_ahead(monkeypatch: pytest.Mon
     assert rig.relay._ahead is None
     assert rig.store.open is None  # closed with the session: the rows are free again
     assert sorted(rig.store.rows) == [3, 4]
+
+
+# -- hostile rows (issue 10) ------------------------------------------------------------------
+
+
+def deep(depth: int) -> RawHeaders:
+    return RawHeaders('{"a":' * depth + "1" + "}" * depth)
+
+
+def test_deeply_nested_headers_are_dead_lettered_and_the_rest_published(rig: Rig) -> None:
+    good = rig.store.add()
+    bad = rig.store.add(headers=deep(5000))
+    after = rig.store.add()
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [good, after]
+    assert "nested" in rig.store.dead_letter[bad].error
+    assert rig.batches("committed") == 1
+
+
+def test_a_bad_row_in_the_batch_claimed_ahead_is_handled_in_its_own_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    first = rig.store.add_many(2)
+    bad = rig.store.add(headers=deep(100_000))
+    last = rig.store.add()
+
+    rig.relay.run_batch()  # claims [bad, last] ahead, after this batch's PREPARE
+    assert [r.id for r in rig.relay._ahead or []] == [bad, last]
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [*first, last]
+    assert list(rig.store.dead_letter) == [bad]
+    assert rig.batches("committed") == 2
+
+
+def test_rows_addressed_to_the_ledger_are_dead_lettered(rig: Rig) -> None:
+    stream = rig.relay.settings.ledger_stream
+    via_default = rig.store.add(exchange="", routing_key=stream)
+    via_exchange = rig.store.add(exchange=stream, routing_key="x")
+    fine = rig.store.add(exchange="", routing_key="some.queue")
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [fine]
+    assert {via_default, via_exchange} == set(rig.store.dead_letter)
+    assert all(d.error.startswith("addressed to the ledger stream")
+               for d in rig.store.dead_letter.values())
+
+
+def test_header_frame_over_the_negotiated_frame_max_is_dead_lettered(rig: Rig) -> None:
+    rig.publisher.negotiated_frame_max = 4096
+    bad = rig.store.add(headers={"big": "x" * 5000})
+    fine = rig.store.add(headers={"small": "x"})
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [fine]
+    assert "frame_max of 4096" in rig.store.dead_letter[bad].error
+
+
+def test_deleted_ledger_pauses_claiming_until_it_is_declared_again(rig: Rig) -> None:
+    rig.store.add_many(3)
+    rig.publisher.fail("record_batch", LedgerMissing("ledger stream 'outbox.ledger' is gone"))
+
+    rig.step()
+
+    assert rig.batches("rolled_back") == 1
+    assert rig.metric("outbox_relay_ledger_missing_total") == 1
+    assert not rig.publisher.connected  # dropped: the next turn declares the ledger first
+    later = rig.store.add_many(2)
+    rig.journal.clear()
+    rig.step()
+    assert rig.journal.index("amqp_connect") < rig.journal.index("claim")
+    assert rig.batches("committed") == 1
+    assert {m.row_id for m in rig.publisher.confirmed} >= set(later)
+
+
+def test_lost_connections_in_a_row_count_an_attempt_for_every_unconfirmed_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=5, max_attempts=3)
+    ids = rig.store.add_many(5)
+    poison = ids[2]
+    rig.publisher.script(poison, Outcome.LOSE_CONNECTION)  # always
+
+    for _ in range(2):
+        rig.step()
+    assert all(r.attempts == 0 for r in rig.store.rows.values())  # twice: maybe the network
+    rig.step()
+    third = rig.store.called("settle_failed")[-1]
+    assert set(third["failures"]) == {poison, ids[3], ids[4]}  # unconfirmed ones
+    assert third["attributed"] == []  # not yet anyone's own fault
+
+    for _ in range(40):
+        if not rig.store.rows and not rig.relay._ahead:
+            break
+        rig.step()
+
+    assert rig.store.rows == {}
+    assert list(rig.store.dead_letter) == [poison]
+    assert rig.store.dead_letter[poison].reason == "exhausted"
+    assert "batches in a row" in rig.store.dead_letter[poison].error
+    assert {m.row_id for m in rig.publisher.confirmed} == set(ids) - {poison}
+
+
+def test_a_committed_batch_resets_the_lost_connection_streak(rig: Rig) -> None:
+    flaky = rig.store.add()
+    rig.publisher.script(flaky, Outcome.LOSE_CONNECTION, times=2)
+    rig.step()
+    rig.step()
+    rig.step()  # commits
+    assert rig.relay._lost_streak == 0
+    other = rig.store.add()
+    rig.publisher.script(other, Outcome.LOSE_CONNECTION, times=1)
+
+    rig.step()
+
+    assert rig.store.rows[other].attempts == 0
+
+
+# -- the byte budget (issue 10) ---------------------------------------------------------------
+
+
+def test_a_batch_stops_at_its_byte_budget_but_takes_one_row_at_least(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=10, batch_max_bytes=2500, max_message_bytes=5000)
+    big = rig.store.add(payload_bytes=b"x" * 4000)  # alone over the budget: taken alone
+    rest = rig.store.add_many(4, payload_bytes=b"y" * 1000)
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.batches[0] == [m for m in rig.publisher.batches[0] if m.row_id == big]
+    claims = rig.store.called("claim")
+    assert claims[0]["max_bytes"] == 2500
+    assert len(claims) == 1  # the batch used up the budget: nothing claimed ahead
+    rig.relay.run_batch()
+    assert [m.row_id for m in rig.publisher.batches[1]] == rest[:2]
+
+
+def test_the_batch_claimed_ahead_gets_what_is_left_of_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2, batch_max_bytes=10_000, max_message_bytes=5000)
+    rig.store.add_many(4, payload_bytes=b"z" * 1000)
+
+    rig.relay.run_batch()
+
+    _first, ahead = rig.store.called("claim")
+    assert rig.relay._batch_bytes > 2000
+    assert ahead["max_bytes"] == 10_000 - rig.relay._batch_bytes

@@ -1,0 +1,67 @@
+"""outbox-relay for the services on both ends of the relay.
+
+Producer: add events to the outbox in your own transaction::
+
+    from outbox_relay import enqueue
+
+    with conn.transaction():                     # psycopg 3; or a SQLAlchemy Session, Django...
+        conn.execute("UPDATE orders SET status = 'paid' WHERE id = %s", (42,))
+        enqueue(conn, exchange="orders", routing_key="order.paid",
+                payload={"order_id": 42}, ordering_key="order-42")
+
+Consumer: apply each event once, although the relay delivers at least once::
+
+    from outbox_relay import Inbox
+
+    inbox = Inbox("inbox", consumer="billing")
+    channel.basic_consume("billing.orders", inbox.pika_callback(db, apply_payment))
+
+The implementation lives in ``relay.producer`` and ``relay.inbox``; this package is the one
+import a service needs. SQLAlchemy and aio-pika are optional (extras ``sqlalchemy`` and
+``aio-pika``): nothing here imports them.
+"""
+
+from relay import __version__
+from relay.errors import (
+    ConfigError,
+    InboxError,
+    InvalidEvent,
+    NotInTransaction,
+    OutboxError,
+)
+from relay.inbox import (
+    DEFAULT_RETENTION_SECONDS,
+    AsyncHandler,
+    Handler,
+    Inbox,
+    InboxMessage,
+    OnError,
+    Outcome,
+    inbox_schema_sql,
+)
+from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER
+from relay.producer import DEFAULT_MAX_MESSAGE_BYTES, Event, enqueue, enqueue_many, schema_sql
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_RETENTION_SECONDS",
+    "ORDERING_KEY_HEADER",
+    "POSITION_HEADER",
+    "AsyncHandler",
+    "ConfigError",
+    "Event",
+    "Handler",
+    "Inbox",
+    "InboxError",
+    "InboxMessage",
+    "InvalidEvent",
+    "NotInTransaction",
+    "OnError",
+    "OutboxError",
+    "Outcome",
+    "__version__",
+    "enqueue",
+    "enqueue_many",
+    "inbox_schema_sql",
+    "schema_sql",
+]

@@ -1,0 +1,173 @@
+"""Every log line's stable ``action`` key, declared once with what it means.
+
+docs/operations.md's table of log actions is generated from ``ACTIONS`` (``./dev docs``), and
+tests/unit/test_logs.py checks that the programs log exactly these actions: a new
+``extra={"action": ...}`` needs its line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LogAction:
+    """One row of the table: the actions, their level, which program logs them, the extra
+    fields of the line and when it is logged (the last two in Markdown)."""
+
+    actions: tuple[str, ...]
+    level: str
+    program: str  # relay, resolver, both, migrate, or the consumer's Inbox
+    fields: str
+    when: str
+
+
+ACTIONS: tuple[LogAction, ...] = (
+    LogAction(
+        ("relay_started", "relay_stopped"), "INFO", "relay",
+        "`instance`",
+        "start; clean exit after SIGTERM/SIGINT",
+    ),
+    LogAction(
+        ("resolver_started", "resolver_stopped"), "INFO", "resolver",
+        "",
+        "start; clean exit",
+    ),
+    LogAction(
+        ("connected", "reconnected"), "INFO", "both",
+        "`server` (`postgresql`, `rabbitmq`)",
+        "first connection; a connection back after a loss",
+    ),
+    LogAction(
+        ("disconnected",), "WARNING", "relay",
+        "`server`",
+        "a lost connection (once; retried with backoff)",
+    ),
+    LogAction(
+        ("connect_failed",), "WARNING", "relay",
+        "`server`",
+        "the first failed attempt of an outage, with the error (refused, wrong password, untrusted "
+        "certificate…); retried with backoff",
+    ),
+    LogAction(
+        ("reconnect_failed",), "DEBUG", "relay",
+        "`server`",
+        "each further failed attempt",
+    ),
+    LogAction(
+        ("connection_fault",), "DEBUG", "relay",
+        "",
+        "each lost connection or failed step of the loop (then backoff)",
+    ),
+    LogAction(
+        ("amqp_connected", "amqp_close_failed"), "DEBUG", "both",
+        "",
+        "RabbitMQ channel set up; an error closing a connection that was already failing",
+    ),
+    LogAction(
+        ("ledger_read_closed",), "DEBUG", "resolver",
+        "",
+        "the broker closed the connection as the resolver ended a ledger read (the read was "
+        "complete; the next scan reconnects)",
+    ),
+    LogAction(
+        ("batch_committed",), "DEBUG", "relay",
+        "`gid`, `batch_size`, (`reason`)",
+        "COMMIT PREPARED done (routine: DEBUG; the metrics count them)",
+    ),
+    LogAction(
+        ("batch_rolled_back",), "WARNING", "relay",
+        "`gid`, `batch_size`, `reason`",
+        "ROLLBACK PREPARED done: why (`RabbitMQ connection lost…`, `no confirm within 30 s`, "
+        "`ledger: …`, `2 of 500 messages refused by the broker`)",
+    ),
+    LogAction(
+        ("batch_finished_elsewhere",), "WARNING", "relay",
+        "`gid`, `batch_size`",
+        "the resolver finished the batch first (duplicates possible, never loss)",
+    ),
+    LogAction(
+        ("row_failed",), "WARNING", "relay",
+        "`gid`, `row_id`, `message_id`",
+        "the broker refused the row (unroutable, nacked, no such exchange); retried with backoff",
+    ),
+    LogAction(
+        ("row_dead_lettered",), "WARNING", "relay",
+        "`gid`, `row_id`, `message_id`, `reason` (`invalid`, `exhausted`)",
+        "the row moved to the dead-letter table (logged once its batch committed); the message "
+        "says why",
+    ),
+    LogAction(
+        ("ledger_missing",), "WARNING", "relay",
+        "",
+        "the ledger stream or its exchange was deleted under the relay: its batch is rolled back "
+        "and nothing more is claimed until the ledger is declared again (on reconnecting)",
+    ),
+    LogAction(
+        ("database_error",), "ERROR", "relay",
+        "",
+        "a PostgreSQL error that is not a lost connection (first line of it)",
+    ),
+    LogAction(
+        ("resolved_committed", "resolved_rolled_back", "resolved_already_finished"), "INFO", "resolver",
+        "`gid`, `age_seconds`, (`batch_size` for a commit: messages in its ledger record)",
+        "a decision on an in-doubt batch",
+    ),
+    LogAction(
+        ("not_owner",), "WARNING", "resolver",
+        "`gid`, `owner`",
+        "a batch prepared by another PostgreSQL role: only that role or a superuser may finish it, "
+        "so it is left alone (once per batch); run the resolver as the relays' role",
+    ),
+    LogAction(
+        ("hard_limit_reached",), "WARNING", "resolver",
+        "`gid`",
+        "a batch of a relay that looks alive passed `OUTBOX_RESOLVER_HARD_LIMIT` and is resolved "
+        "anyway",
+    ),
+    LogAction(
+        ("ledger_record_rejected",), "WARNING", "resolver",
+        "`gid`, `reason` (`unauthenticated`, `other_transaction`), `offset`",
+        "a ledger record names an in-doubt batch but was not signed with the ledger key, or names "
+        "another transaction (xid, database): ignored, logged once per record",
+    ),
+    LogAction(
+        ("scan_failed", "resolver_recovered"), "WARNING, INFO", "resolver",
+        "",
+        "the first failed scan of a run of failures (retried with backoff); the next good one",
+    ),
+    LogAction(
+        ("scan_done",), "INFO", "resolver",
+        "`resolved`",
+        "`outbox-resolver --once` finished",
+    ),
+    LogAction(
+        ("outbox_stats_failed",), "WARNING", "resolver",
+        "`table`",
+        "the resolver cannot read the outbox table for `outbox_backlog_events` and "
+        "`outbox_lag_seconds` (missing: not migrated yet; or no `SELECT` for its role): once, until"
+        " it can; both are NaN meanwhile",
+    ),
+    LogAction(
+        ("inbox_message_failed",), "WARNING", "a consumer's `Inbox` (logger `outbox_relay.inbox`)",
+        "`consumer`, `message_id`, `requeued`",
+        "a handler raised, or a message had no `message_id`: its transaction rolled back, the "
+        "message requeued or rejected by `on_error` "
+        "([python-api.md](python-api.md#when-the-handler-raises))",
+    ),
+    LogAction(
+        ("startup_check_failed",), "ERROR", "both",
+        "",
+        "a server unfit for the protocol (exit 3): the one line that says why",
+    ),
+    LogAction(
+        ("shutdown_requested",), "INFO", "both",
+        "`signal`",
+        "the first SIGTERM/SIGINT",
+    ),
+    LogAction(
+        ("schema_applied",), "INFO", "migrate",
+        "`table`",
+        "`outbox-relay migrate` done",
+    ),
+)

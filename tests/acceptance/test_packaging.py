@@ -1,0 +1,130 @@
+"""Packaging: one version everywhere, the licence declared is the licence shipped, the wheel holds
+what the API needs at run time (its SQL, py.typed), the integrations are optional extras that the
+relay's image does not install."""
+
+from __future__ import annotations
+
+import email
+import fnmatch
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import outbox_relay
+from relay import __version__
+from tests.conftest import ROOT
+
+PYPROJECT = (ROOT / "pyproject.toml").read_text("utf-8")  # no tomllib before Python 3.11
+
+
+def docker_ignored(relative: str) -> bool:
+    """Whether .dockerignore keeps ``relative`` out of the image's build context (the subset of
+    Docker's rules the file uses: names, ``*`` patterns, ``**/`` prefixes, trailing ``/``)."""
+    patterns = [line.strip().rstrip("/") for line in
+                (ROOT / ".dockerignore").read_text("utf-8").splitlines()
+                if line.strip() and not line.startswith("#")]
+    parts = relative.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatch(part, pattern[3:]) for part in parts):
+                return True
+        elif any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes):
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    """The wheel built as the Dockerfile builds it: from the context .dockerignore leaves."""
+    context = tmp_path_factory.mktemp("context") / "src"
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        base = Path(directory).relative_to(ROOT)
+        return {n for n in names if docker_ignored(str(base / n).removeprefix("./"))}
+
+    shutil.copytree(ROOT, context, ignore=ignore)
+    assert not (context / "tests").exists() and (context / "outbox_relay").is_dir()
+    out = tmp_path_factory.mktemp("wheel")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                            str(out), str(context)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    [path] = out.glob("outbox_relay-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def metadata(wheel: zipfile.ZipFile) -> email.message.Message:
+    [name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return email.message_from_bytes(wheel.read(name))
+
+
+@pytest.mark.parametrize("program", ["relay", "resolver", "relay.inbox_cli"])
+def test_every_program_prints_the_one_version(program: str) -> None:
+    done = subprocess.run([sys.executable, "-m", program, "--version"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == __version__ == outbox_relay.__version__
+
+
+def test_the_version_is_written_once() -> None:
+    assert not re.search(r'(?m)^version\s*=\s*"', PYPROJECT)  # no literal version
+    assert re.search(r'(?m)^dynamic = \["version"\]$', PYPROJECT)
+    assert re.search(r'(?m)^\[tool\.setuptools\.dynamic\]\nversion = \{attr = "relay\.__version__"\}$',
+                     PYPROJECT)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    changelog = (ROOT / "CHANGELOG.md").read_text("utf-8")
+    assert f"## [{__version__}]" in changelog
+
+
+def test_the_declared_licence_is_the_shipped_one() -> None:
+    assert re.search(r'(?m)^license = "Apache-2.0"$', PYPROJECT)
+    text = (ROOT / "LICENSE").read_text("utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_wheel_holds_the_api_its_sql_its_types_and_its_licence(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    for needed in ("outbox_relay/__init__.py", "outbox_relay/py.typed", "relay/py.typed",
+                   "relay/producer.py", "relay/inbox.py", "relay/api.sql", "relay/queries.sql",
+                   "relay/schema/schema.sql", "relay/schema/inbox.sql"):
+        assert needed in names, needed
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    meta = metadata(wheel)
+    assert meta["Version"] == __version__
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert {"sqlalchemy", "aio-pika"} <= set(meta.get_all("Provides-Extra") or [])
+    # The integrations are extras only: a plain install (the relay's image) brings neither.
+    plain = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    assert not [r for r in plain if re.match(r"(?i)(sqlalchemy|aio-pika|django)\b", r)], plain
+    assert "Typing :: Typed" in (meta.get_all("Classifier") or [])
+    [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = wheel.read(entry_points).decode()
+    for script in ("outbox-relay = relay.cli:main", "outbox-resolver = resolver.cli:main",
+                   "outbox-inbox = relay.inbox_cli:main"):
+        assert script in scripts
+
+
+def test_the_image_installs_no_extra() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text("utf-8")
+    installs = re.findall(r"pip (?:install|wheel)[^\n]*", dockerfile)
+    assert installs and not [line for line in installs if "[" in line], installs
+
+
+def test_importing_the_api_imports_no_optional_integration() -> None:
+    code = ("import sys, outbox_relay; print(sorted(m for m in sys.modules if m.split('.')[0] "
+            "in ('sqlalchemy', 'aio_pika', 'django', 'prometheus_client')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_public_api_is_typed_and_exported() -> None:
+    assert Path(outbox_relay.__file__).with_name("py.typed").exists()
+    for name in outbox_relay.__all__:
+        assert hasattr(outbox_relay, name), name

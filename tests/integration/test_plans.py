@@ -1,0 +1,284 @@
+"""Every hot statement stays linear in its batch in the worst planner state (issue 9).
+
+An outbox is empty most of its life: its statistics say "empty" (0 pages, 0 tuples after a
+VACUUM truncated it, or never analyzed) when a burst of 50,000 rows arrives, and a generic plan
+built in that state costs every scan at zero. The old claim then rescanned a CTE for every
+outbox row: 50,000 x 2,000 tuple copies, about 10-20 s per claim. Here each statement gets its
+plan built while the table is in a bad state, with the planner settings the relay's sessions
+use (relay/store.py), cached as a generic plan (plan_cache_mode = force_generic_plan, the plan
+a server-side prepared statement would keep); autovacuum is off for the table, so nothing
+replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE runs the cached plan:
+
+- no plan node runs more than once per execution: a per-row rescan of a CTE or subquery shows
+  as a node run once per outbox row, and these statements have no join at all (their row
+  locks are taken in an ARRAY(SELECT ...) InitPlan, run once);
+- the rows all plan nodes handle (returned plus filtered out, times loops) stay within a small
+  multiple of the batch: the statement never reads the table, let alone once per row;
+- it runs in milliseconds (the bound is generous, the row count above is the exact check).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from relay import store
+from relay.queries import Tables
+from relay.store import OutboxStore
+from tests.conftest import Env
+
+ROWS = 50_000
+BATCH = 2_000
+RETRY_ROWS = 500  # failed before, due later: in the way of the fresh rows' id order
+# The batch statements may handle each batch row a few times over (lock, delete, RETURNING)
+# and step over the retry rows; a read of the table (50,000) or a rescan per row is far above.
+WORK_BOUND = 15 * BATCH
+SECONDS_BOUND = 1.0  # measured: 2-10 ms; the old claim took 10-20 s here
+
+STATES = ("vacuumed_empty", "never_analyzed", "analyzed_with_retry_rows_only")
+
+
+def _prepare_text(text: str) -> tuple[str, list[str]]:
+    """%(name)s placeholders as $1, $2 ... for PREPARE; the names in their order."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, text), names
+
+
+def _insert(conn: psycopg.Connection[Any], table: sql.Identifier, count: int, *,
+            attempts: int = 0, due_in: str = "0 s") -> None:
+    conn.execute(sql.SQL(
+        "INSERT INTO {} (routing_key, payload, attempts, available_at) "
+        "SELECT 'k', jsonb_build_object('n', n, 'pad', repeat('x', 200)), %s, now() + %s::interval "
+        "FROM generate_series(1, %s) AS n").format(table), (attempts, due_in, count))
+
+
+class Statement:
+    """One named query, prepared on a session that is set up like the relay's."""
+
+    def __init__(self, conn: psycopg.Connection[Any], tables: Tables, name: str,
+                 setup: str | None = None) -> None:
+        self.conn, self.name, self.setup = conn, name, setup
+        text, self.params = _prepare_text(tables.query(name).as_string(conn))
+        self.handle = f"hot_{name}"
+        conn.execute(sql.SQL("PREPARE {} AS ").format(sql.Identifier(self.handle))
+                     + sql.SQL(text))  # type: ignore[arg-type]
+
+    def _execute(self, prefix: str, params: dict[str, Any]) -> list[Any]:
+        query = sql.SQL(prefix + "EXECUTE {}").format(sql.Identifier(self.handle))
+        if self.params:
+            query += sql.SQL(" ({})").format(
+                sql.SQL(", ").join(sql.Literal(params[n]) for n in self.params))
+        with self.conn.transaction(force_rollback=True):
+            if self.setup:
+                self.conn.execute(self.setup)
+            cur = self.conn.execute(query)
+            return cur.fetchall() if cur.description else []
+
+    def build_plan(self, params: dict[str, Any]) -> None:
+        """Execute once (rolled back): the generic plan is built now, in the current state."""
+        self._execute("", params)
+
+    def explain(self, params: dict[str, Any]) -> dict[str, Any]:
+        """EXPLAIN ANALYZE of the cached plan (rolled back), checked to be the generic one."""
+        before = self._plans()
+        rows = self._execute("EXPLAIN (ANALYZE, FORMAT JSON) ", params)
+        generic, custom = self._plans()
+        assert (generic, custom) == (before[0] + 1, 0), f"{self.name}: not a generic plan"
+        return rows[0][0][0]  # type: ignore[no-any-return]
+
+    def _plans(self) -> tuple[int, int]:
+        row = self.conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                                "WHERE name = %s", (self.handle,)).fetchone()
+        assert row is not None
+        return row[0], row[1]
+
+
+# The claim's parameters as the relay passes them (a byte budget the batch does not reach).
+CLAIM = {"limit": BATCH, "max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
+         "max_row_bytes": (128 << 20) + store.ROW_HEADROOM}
+
+
+def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[str, Any]]:
+    return {
+        "claim": CLAIM,
+        "forget_delivered": {"ids": fresh_ids},
+        "record_failures": {"ids": fresh_ids,
+                            "errors": Jsonb({str(i): "nacked" for i in fresh_ids}),
+                            "base_delay": 1.0, "max_delay": 60.0},
+        "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
+        "stats": {},
+    }
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def rows_in(plan: dict[str, Any]) -> float:
+    """Rows a statement produced (for an INSERT, UPDATE or DELETE: the rows it changed)."""
+    if plan["Node Type"] != "ModifyTable":
+        return plan["Actual Rows"]  # type: ignore[no-any-return]
+    return next(p for p in plan["Plans"] if p["Parent Relationship"] == "Outer")["Actual Rows"]  # type: ignore[no-any-return]
+
+
+def work(plan: dict[str, Any]) -> float:
+    """Rows handled by every node: returned and filtered out, per loop times loops."""
+    keys = ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter",
+            "Rows Removed by Index Recheck")
+    return sum(sum(node.get(k, 0) for k in keys) * node["Actual Loops"] for node in nodes(plan))
+
+
+def _set_state(conn: psycopg.Connection[Any], tables: Tables, state: str) -> None:
+    """Put the empty table in ``state``; autovacuum never visits it (nothing replans)."""
+    conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(tables.outbox))
+    if state == "vacuumed_empty":
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(tables.outbox))
+    elif state == "analyzed_with_retry_rows_only":
+        # The statistics say: every row failed before, and none is due.
+        _insert(conn, tables.outbox, 1000, attempts=3, due_in="1 hour")
+        conn.execute(sql.SQL("ANALYZE {}").format(tables.outbox))
+        conn.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))
+
+
+def _pg_class(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float]:
+    row = conn.execute("SELECT relpages, reltuples FROM pg_class WHERE oid = %s::regclass",
+                       (tables.outbox.as_string(conn),)).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def _ids(conn: psycopg.Connection[Any], tables: Tables, *, attempts: int) -> list[int]:
+    return [row[0] for row in conn.execute(sql.SQL(
+        "SELECT id FROM {} WHERE attempts = %s ORDER BY id").format(tables.outbox), (attempts,))]
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_hot_statements_stay_linear_with_a_generic_plan_built_on_an_empty_table(
+        env: Env, state: str) -> None:
+    tables = Tables(env.table)
+    with env.connect() as admin, env.connect() as claim_conn, env.connect() as main_conn:
+        _set_state(admin, tables, state)
+        before = _pg_class(admin, tables)
+        store.claim_session(claim_conn)
+        store.without_prepare(main_conn)
+        for conn in (claim_conn, main_conn):
+            conn.execute("SET plan_cache_mode = force_generic_plan")
+        statements = [Statement(claim_conn, tables, "claim")] + [
+            Statement(main_conn, tables, name, store.BATCH_STATEMENTS_SETUP)
+            for name in ("forget_delivered", "record_failures", "dead_letter_exhausted")
+        ] + [Statement(main_conn, tables, "stats")]
+        for statement in statements:
+            statement.build_plan(batch_params([1, 2, 3], [4, 5])[statement.name])
+
+        # Failed before and not due yet: the retry branch finds nothing to claim, the fresh
+        # branch steps over them (they come first in id order).
+        _insert(admin, tables.outbox, RETRY_ROWS, attempts=3, due_in="1 hour")
+        _insert(admin, tables.outbox, ROWS)
+        assert _pg_class(admin, tables) == before  # the planner still believes the old state
+        fresh = _ids(admin, tables, attempts=0)
+        params = batch_params(fresh[ROWS // 2:ROWS // 2 + BATCH],
+                              _ids(admin, tables, attempts=3))
+
+        for statement in statements:
+            name = statement.name
+            plan = statement.explain(params[name])
+            top = plan["Plan"]
+            rescanned = [(n["Node Type"], n["Actual Loops"]) for n in nodes(top)
+                         if n["Actual Loops"] > 1 and not _under_gather(top, n)]
+            assert not rescanned, f"{name} rescans per row: {rescanned}\n{plan}"
+            bound = 2 * (ROWS + RETRY_ROWS) if name == "stats" else WORK_BOUND
+            assert work(top) <= bound, f"{name} handles {work(top):,.0f} rows\n{plan}"
+            assert plan["Execution Time"] < SECONDS_BOUND * 1000, f"{name}\n{plan}"
+            expected = {"claim": BATCH, "forget_delivered": BATCH, "record_failures": BATCH,
+                        "dead_letter_exhausted": RETRY_ROWS, "stats": 1}[name]
+            assert rows_in(top) == expected, f"{name}\n{plan}"
+
+
+def _under_gather(top: dict[str, Any], target: dict[str, Any]) -> bool:
+    """True if ``target`` runs in parallel workers (its loops count processes, not rescans)."""
+    def walk(node: dict[str, Any], parallel: bool) -> bool:
+        if node is target:
+            return parallel
+        inside = parallel or node["Node Type"] in ("Gather", "Gather Merge")
+        return any(walk(child, inside) for child in node.get("Plans", []))
+
+    return walk(top, False)
+
+
+def test_a_due_retry_row_is_claimed_alone_and_no_fresh_row_is_locked(env: Env) -> None:
+    tables = Tables(env.table)
+    with env.connect() as admin, env.connect() as claim_conn, env.connect() as other:
+        _set_state(admin, tables, "vacuumed_empty")
+        store.claim_session(claim_conn)
+        claim_conn.execute("SET plan_cache_mode = force_generic_plan")
+        claim = Statement(claim_conn, tables, "claim")
+        claim.build_plan(CLAIM)
+        _insert(admin, tables.outbox, 5_000)
+        _insert(admin, tables.outbox, 1, attempts=1, due_in="-1 s")
+
+        plan = claim.explain(CLAIM)["Plan"]
+        assert rows_in(plan) == 1
+        fresh = [n for n in nodes(plan) if n.get("Subplan Name", "").startswith("InitPlan 2")]
+        assert fresh and fresh[0]["Actual Loops"] == 0, plan  # never executed
+
+        # The same through the relay's session: nothing but the retry row is locked.
+        with claim_conn.transaction(force_rollback=True):
+            claim_conn.execute("RESET plan_cache_mode")
+            rows = claim_conn.execute(tables.query("claim"), CLAIM).fetchall()
+            assert [r[11] for r in rows] == [1]  # attempts
+            free = other.execute(sql.SQL(
+                "SELECT count(*) FROM (SELECT id FROM {} FOR UPDATE SKIP LOCKED) AS free").format(
+                tables.outbox)).fetchone()
+            assert free == (5_000,)
+
+
+def test_the_relay_store_claims_fast_after_many_claims_on_an_empty_table(env: Env) -> None:
+    """The real code path: more claims than psycopg's prepare threshold on the empty table,
+    then a burst; nothing is prepared server-side and the burst's first claim takes ms."""
+    tables = Tables(env.table)
+    relay = OutboxStore(env.db_url, env.table)
+    with env.connect() as admin:
+        _set_state(admin, tables, "vacuumed_empty")
+        relay.connect(lock_class=1, instance=0x1D1E)
+        try:
+            for _ in range(10):
+                assert relay.claim(BATCH, 16 << 20) == []
+                relay.rollback()
+            _insert(admin, tables.outbox, ROWS)
+            started = time.monotonic()
+            rows = relay.claim(BATCH, 16 << 20)
+            seconds = time.monotonic() - started
+            relay.rollback()
+            assert len(rows) == BATCH and [r.id for r in rows] == sorted(r.id for r in rows)
+            assert seconds < SECONDS_BOUND
+            for conn in (relay.claim_conn, relay.conn):
+                assert conn.execute("SELECT count(*) FROM pg_prepared_statements"
+                                    ).fetchone() == (0,)
+            assert relay.claim_conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
+            assert relay.conn.execute("SHOW enable_seqscan").fetchone() == ("on",)
+
+            # The failure bookkeeping: each row keeps its own error (a jsonb lookup by id).
+            first, second = rows[0].id, rows[1].id
+            relay.settle_failed([rows[2].id], {first: "nacked", second: "unroutable"}, [],
+                                max_attempts=3, base_delay=1.0, max_delay=60.0)
+            kept = dict(admin.execute(sql.SQL(
+                "SELECT id, last_error FROM {} WHERE id = ANY(%s)").format(tables.outbox),
+                ([first, second, rows[2].id],)).fetchall())
+            assert kept == {first: "nacked", second: "unroutable"}
+        finally:
+            relay.close()

@@ -1,0 +1,75 @@
+"""./dev installs what each command needs and no more: the demo gets the servers and the project,
+never Prometheus nor the test or benchmark dependencies. Run with stub apt-get and pip that only
+record what they were asked for."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV = (ROOT / "dev").read_text("utf-8")
+
+
+def _function(name: str) -> str:
+    match = re.search(rf"^{name}\(\) {{\n.*?^}}\n", DEV, re.M | re.S)
+    assert match, name
+    return match[0]
+
+
+def _branch(command: str) -> str:
+    match = re.search(rf"^    {command}\)(.*?);;", DEV, re.M | re.S)
+    assert match, command
+    return match[1]
+
+
+def run_setup(tmp_path: Path, command: str) -> list[str]:
+    """The set-up lines of ``./dev COMMAND`` with stubs: what would apt-get and pip install?"""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    log = tmp_path / "calls"
+    for name, body in (("apt-get", f'echo "apt-get $*" >> {log}'), ("id", "echo 0")):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    for tool in ("touch",):  # what the functions use besides the stubs and bash's builtins
+        found = shutil.which(tool)
+        assert found, tool
+        (stubs / tool).symlink_to(found)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "pip $*" >> {log}\n')
+    (venv / "bin" / "python").chmod(0o755)
+    setup = [line.strip() for line in _branch(command).splitlines()
+             if line.strip().startswith(("ensure_servers", "ensure_venv"))]
+    script = (f'set -eu\nVENV={venv}\nPY=false\n{_function("ensure_servers")}'
+              f'{_function("ensure_venv")}\n' + "\n".join(setup) + "\n")
+    # No promtool on this PATH: the stubs only (PostgreSQL and RabbitMQ are found by path).
+    subprocess.run(["/bin/bash", "-c", script], cwd=ROOT, check=True, timeout=30,
+                   env={"PATH": str(stubs), "HOME": os.environ.get("HOME", "/")})
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_demo_installs_no_prometheus_and_no_test_dependencies(tmp_path: Path) -> None:
+    calls = run_setup(tmp_path, "demo")
+    assert not [c for c in calls if "prometheus" in c]
+    installs = [c for c in calls if "pip install -q -e" in c]
+    assert installs == ["pip -m pip install -q -e ."]
+
+
+def test_the_test_suite_gets_promtool_and_its_dependencies(tmp_path: Path) -> None:
+    calls = run_setup(tmp_path, "test")
+    assert any(c.startswith("apt-get install") and "prometheus" in c for c in calls), calls
+    assert "pip -m pip install -q -e .[test,bench]" in calls
+
+
+@pytest.mark.parametrize(("command", "extras"), [("chaos", "."), ("bench", ".[bench]"),
+                                                 ("docs", ".[test]"), ("lint", ".[test]")])
+def test_other_commands_install_their_own_extras(tmp_path: Path, command: str, extras: str) -> None:
+    calls = run_setup(tmp_path, command)
+    assert f"pip -m pip install -q -e {extras}" in calls
+    assert not [c for c in calls if "prometheus" in c]

@@ -1,0 +1,27 @@
+"""The generated reference docs are what the code declares: run ``./dev docs`` after changing a
+setting (relay/config.py) or a metric (relay/metrics.py), and commit the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from devenv import reference
+from relay import config
+
+
+@pytest.mark.parametrize("path", sorted(reference.generated()), ids=lambda p: p.name)
+def test_committed_reference_equals_the_generated_one(path: Path) -> None:
+    assert path.read_text("utf-8") == reference.generated()[path], (
+        f"{path.name} is out of date: run ./dev docs")
+
+
+def test_every_setting_of_every_command_has_a_row() -> None:
+    text = reference.configuration_md()
+    for _command, options in reference.COMMANDS:
+        for option in options:
+            assert f"| `{option.env}` (`{option.flag}`)" in text, option.env
+    assert "`9460` (relay) / `9461` (resolver)" in text
+    for option in (config.DATABASE_URL, config.AMQP_URL):
+        assert f"or `{option.env}_FILE` |" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import random
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +14,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import _IoloopTimerContext
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
+from relay.config import amqp_urls
 from relay.errors import StartupCheckError, TransientError, first_line
 
 log = logging.getLogger(__name__)
@@ -29,16 +32,29 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def connection_parameters(url: str, *, timeout: float, name: str) -> list[Any]:
+    """pika's parameters for each URL of ``url`` (one, or a cluster's comma-separated list), in
+    a random order: relays spread over the nodes, and a dead node costs each connection one
+    refused attempt (or one ``timeout`` when black-holed), not the whole connection."""
+    every = []
+    for one in amqp_urls(url):
+        params = pika.URLParameters(one)
+        params.socket_timeout = timeout
+        params.stack_timeout = timeout
+        params.blocked_connection_timeout = max(timeout, 30.0)
+        params.connection_attempts = 1
+        params.client_properties = {"connection_name": name}
+        every.append(params)
+    random.shuffle(every)
+    return every
+
+
 def connect(url: str, *, timeout: float, name: str) -> Any:
-    """A BlockingConnection; a failure to connect is a TransientError without the URL's password."""
-    params = pika.URLParameters(url)
-    params.socket_timeout = timeout
-    params.stack_timeout = timeout
-    params.blocked_connection_timeout = max(timeout, 30.0)
-    params.connection_attempts = 1
-    params.client_properties = {"connection_name": name}
+    """A BlockingConnection to the first node of ``url`` that answers; a failure to connect is
+    a TransientError without the URL's password."""
+    params = connection_parameters(url, timeout=timeout, name=name)
     try:
-        return pika.BlockingConnection(params)
+        return pika.BlockingConnection(params if len(params) > 1 else params[0])
     except pika.exceptions.ProbableAuthenticationError as exc:
         raise StartupCheckError("RabbitMQ refused the credentials of OUTBOX_AMQP_URL") from exc
     except CONNECTION_ERRORS as exc:
@@ -52,21 +68,62 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def declare_ledger(channel: Any, stream: str, max_age: str) -> None:
+# Replicas of the ledger stream on a cluster: one per node given, three at most (RabbitMQ's
+# advice for streams and quorum queues: more replicas cost writes, not safety).
+MAX_LEDGER_REPLICAS = 3
+_CURRENT_SIZE_RE = re.compile(r"current is (?:the value )?'(\d+)'")
+
+
+def ledger_replicas(url: str) -> int:
+    """The ledger's ``x-initial-cluster-size``: the number of nodes OUTBOX_AMQP_URL names,
+    three at most; 1 (no argument) for a single node."""
+    return min(len(amqp_urls(url)), MAX_LEDGER_REPLICAS)
+
+
+def ledger_arguments(max_age: str, replicas: int) -> dict[str, Any]:
+    arguments: dict[str, Any] = {"x-queue-type": "stream", "x-max-age": max_age}
+    if replicas > 1:
+        arguments["x-initial-cluster-size"] = replicas
+    return arguments
+
+
+def declare_ledger(channel: Any, stream: str, max_age: str, *, replicas: int = 1,
+                   reopen: Callable[[], Any] | None = None) -> None:
     """Declare the ledger: the stream, an exchange of the same name and the binding between them.
 
     Records go through the ledger's own exchange, so the relays and the resolver need no write
     permission on the default exchange (a producer row addressed to the ledger is dead-lettered
     either way). A name the broker refuses (403) or that clashes with an existing queue or
     exchange (406) is a startup error; a stream whose home node is still recovering (404) is not.
+
+    ``replicas`` > 1 (a cluster): the stream is created with that ``x-initial-cluster-size``.
+    An existing stream declared with another size is used as it is (``reopen`` gives a new
+    channel for the second declaration: a refused one closes the channel), unless it was made
+    with a single replica: the node holding it would then be a single point of loss of every
+    record, and that is a startup error.
     """
     step = "stream"
     try:
-        channel.queue_declare(
-            queue=stream,
-            durable=True,
-            arguments={"x-queue-type": "stream", "x-max-age": max_age},
-        )
+        try:
+            channel.queue_declare(queue=stream, durable=True,
+                                  arguments=ledger_arguments(max_age, replicas))
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 406 or "x-initial-cluster-size" not in exc.reply_text:
+                raise
+            found = _CURRENT_SIZE_RE.search(exc.reply_text)
+            current = int(found.group(1)) if found else 1  # none: a single node's declaration
+            if replicas > 1 and current < 2:
+                raise StartupCheckError(
+                    f"ledger stream {stream!r} exists with a single replica on a cluster of "
+                    f"{len_text(replicas)} nodes (x-initial-cluster-size "
+                    f"{'1' if found else 'not set'}): losing its node loses the ledger; add "
+                    "replicas (rabbitmq-streams add_replica) and redeclare it, or use a new "
+                    "OUTBOX_LEDGER_STREAM") from exc
+            if reopen is None:
+                raise
+            channel = reopen()
+            channel.queue_declare(queue=stream, durable=True,
+                                  arguments=ledger_arguments(max_age, current))
         step = "exchange"
         channel.exchange_declare(exchange=stream, exchange_type="direct", durable=True)
         step = "binding"
@@ -84,6 +141,10 @@ def declare_ledger(channel: Any, stream: str, max_age: str) -> None:
             ) from exc
         # E.g. 404 "home node ... is down" while a restarted broker recovers its queues.
         raise TransientError(f"ledger stream not available yet: {exc.reply_code}") from exc
+
+
+def len_text(replicas: int) -> str:
+    return f"{replicas}" if replicas < MAX_LEDGER_REPLICAS else f"{replicas} or more"
 
 
 def pump(conn: Any, done: Callable[[], bool], timeout: float) -> None:

@@ -185,9 +185,33 @@ def _database_url(text: str) -> str:
     return text
 
 
+def amqp_urls(text: str) -> list[str]:
+    """The URLs of OUTBOX_AMQP_URL: one, or a comma-separated list of a cluster's nodes.
+
+    A comma cannot appear unencoded in one URL's user info, host or vhost (percent-encode it as
+    %2C), so splitting on it is unambiguous.
+    """
+    return [part.strip() for part in text.split(",")]
+
+
 def _amqp_url(text: str) -> str:
+    """One URL, or a comma-separated list of them (a cluster's nodes), each checked alone."""
+    parts = amqp_urls(text)
+    for n, part in enumerate(parts, 1):
+        try:
+            _one_amqp_url(part)
+        except ValueError as exc:  # each text is safe: a parser's own never quotes the value
+            if len(parts) == 1:
+                raise
+            raise _SafeValueError(f"URL {n} of {len(parts)} {exc}") from None
+    return text
+
+
+def _one_amqp_url(text: str) -> str:
     """amqp:// or amqps://, and query options pika accepts (ssl_options, heartbeat...): a bad
     one stops the program here, not with a traceback at its first connection attempt."""
+    if not text:
+        raise _SafeValueError("is empty (two commas in a row, or a trailing comma)")
     _url("amqp", "amqps")(text)
     _check_authority(text, "/?#")
     # The URL without its query first: pika's reason for refusing the host, port or vhost part
@@ -250,8 +274,15 @@ def redact_url(url: str) -> str:
     """The URL with its password replaced by ``***``: the only form a URL is ever shown in.
 
     Split by hand, not with urlsplit: libpq accepts an unencoded ``#`` or ``?`` in a password,
-    where urlsplit would end the host part early and miss the password.
+    where urlsplit would end the host part early and miss the password. A comma-separated list
+    of amqp URLs (OUTBOX_AMQP_URL for a cluster) is redacted URL by URL.
     """
+    if "," in url and url.lstrip().startswith(("amqp://", "amqps://")):
+        return ",".join(_redact_one(part) for part in url.split(","))
+    return _redact_one(url)
+
+
+def _redact_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     userinfo, at, host = rest.rpartition("@")
     if not sep or not at or ":" not in userinfo:
@@ -271,8 +302,10 @@ DATABASE_URL = Option(
 )
 AMQP_URL = Option(
     "amqp_url", "OUTBOX_AMQP_URL", _amqp_url, None,
-    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options)", secret=True,
-    doc="TLS: [operations.md](operations.md#tls)",
+    "RabbitMQ URL (amqp:// or amqps://; TLS options in ssl_options), or a comma-separated list "
+    "of a cluster's nodes' URLs: each connection tries them in a random order", secret=True,
+    doc="TLS: [operations.md](operations.md#tls); a cluster: "
+        "[operations.md](operations.md#clusters-and-failover)",
 )
 TABLE = Option(
     "table", "OUTBOX_TABLE", table_name, "outbox",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,13 @@ DEFAULT_FRAME_MAX = 131072
 # frame_max, a malformed one), not a shutdown (320) or its own failure (541): the messages in
 # flight are suspects, like those of a closed channel, and an attempt is counted for them.
 REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
+# A nack is the broker's failure, not the row's (a quorum queue without a majority, a queue
+# process that crashed): the batch is rolled back without counting an attempt for its rows,
+# the connection is reopened (what the broker does after a nack is not to be trusted further),
+# and the next connection waits NACK_BACKOFF_BASE seconds, doubling with each nacked batch in a
+# row up to NACK_BACKOFF_MAX: batch backoff instead of rows running out of attempts.
+NACK_BACKOFF_BASE = 0.5
+NACK_BACKOFF_MAX = 30.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,9 @@ class AmqpPublisher:
         self._result = PublishResult()
         self._closed_reason: str | None = None
         self._closed_code: int | None = None
+        self._nacked = 0  # messages of the current batch the broker nacked
+        self._nack_streak = 0  # batches in a row with a nack
+        self._hold_until = 0.0  # no new connection before this (monotonic), after a nack
 
     # -- connection -------------------------------------------------------------------------
 
@@ -113,9 +124,15 @@ class AmqpPublisher:
 
     def connect(self) -> None:
         self.close()
+        wait = self._hold_until - time.monotonic()
+        if wait > 0:
+            raise TransientError(f"holding off {wait:.1f} s after the broker nacked a batch "
+                                 f"({self._nack_streak} in a row)")
         self._conn = amqp.connect(self._url, timeout=self._connect_timeout, name=self.name)
         try:
-            amqp.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age)
+            amqp.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age,
+                                replicas=amqp.ledger_replicas(self._url),
+                                reopen=self._conn.channel)
             blocking = self._conn.channel()
             self._channel = blocking._impl  # the async core: many confirms in flight
             selected: list[bool] = []
@@ -198,6 +215,7 @@ class AmqpPublisher:
         """
         self._result = PublishResult()
         self._pending.clear()
+        self._nacked = 0
         self._by_message_id = {m.message_id: m.row_id for m in messages}
         if not self.connected:
             # Never blame rows for a channel that was already gone: roll back, reconnect.
@@ -223,8 +241,22 @@ class AmqpPublisher:
                 self._result.transient = f"RabbitMQ connection lost: {exc!r}"
         except amqp.CONNECTION_ERRORS as exc:
             self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
+        if self._nacked:
+            self._after_nack()
+        elif self._result.confirmed and not self._result.failed and self._result.transient is None:
+            self._nack_streak = 0
         self._settle_unconfirmed()
         return self._result
+
+    def _after_nack(self) -> None:
+        """The broker nacked messages of this batch: fail the batch (no row's fault), reopen
+        the connection, and hold the next one off (see NACK_BACKOFF_BASE)."""
+        if self._result.transient is None:
+            self._result.transient = f"nacked by the broker ({self._nacked} messages)"
+        self._nack_streak += 1
+        hold = min(NACK_BACKOFF_BASE * 2 ** min(self._nack_streak - 1, 16), NACK_BACKOFF_MAX)
+        self._hold_until = time.monotonic() + hold * random.uniform(0.5, 1.0)
+        self.close()
 
     def _publish_all(self, messages: Sequence[Message]) -> None:
         if self._closed_reason is not None:
@@ -306,7 +338,7 @@ class AmqpPublisher:
         for tag in tags:
             row_id = self._pending.pop(tag)
             if nacked:
-                self._result.failed.setdefault(row_id, "nacked by the broker")
+                self._nacked += 1  # the batch fails; the row is not blamed (_after_nack)
             elif row_id not in self._result.failed:
                 self._result.confirmed.add(row_id)
 

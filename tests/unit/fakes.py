@@ -429,6 +429,7 @@ class FakePublisher(_Scripted):
         self.batches.append(list(messages))
         result = PublishResult()
         pending: set[int] = set()
+        nacked = 0
         stopped: str | None = None
         for message in messages:
             self.published.append(message)
@@ -437,7 +438,7 @@ class FakePublisher(_Scripted):
                 result.confirmed.add(message.row_id)
                 self.confirmed.append(message)
             elif outcome is Outcome.NACK:
-                result.failed[message.row_id] = "nacked by the broker"
+                nacked += 1  # as the real one: the batch fails, no row is blamed
             elif outcome is Outcome.RETURN:
                 result.failed[message.row_id] = (
                     f"unroutable: 312 NO_ROUTE (exchange {message.exchange!r}, "
@@ -458,6 +459,9 @@ class FakePublisher(_Scripted):
         elif pending and result.transient is None:
             result.transient = f"no confirm within {self.confirm_timeout:g} s"
             self._lose_connection()
+        if nacked and result.transient is None:
+            result.transient = f"nacked by the broker ({nacked} messages)"
+            self._lose_connection()  # the real one reopens its connection after a nack
         self._raise(fault)
         return result
 

@@ -282,26 +282,39 @@ def test_confirmed_rows_of_a_failed_batch_are_not_republished_on_retry(rig: Rig)
     assert rig.batches("committed") == 1
 
 
-def test_nacked_message_fails_only_its_row(rig: Rig) -> None:
+def test_a_nack_fails_the_batch_without_blaming_its_rows(rig: Rig) -> None:
+    """A nack is the broker's failure (a quorum queue without a majority), not the row's: the
+    batch is rolled back and retried, and no row of it counts an attempt."""
     ids = rig.store.add_many(3)
     rig.publisher.script(ids[2], Outcome.NACK)
 
     rig.relay.run_batch()
 
     assert "commit_prepared" not in rig.journal
-    assert list(rig.store.rows) == [ids[2]]
-    assert rig.store.rows[ids[2]].attempts == 1
-    assert rig.store.rows[ids[2]].last_error == "nacked by the broker"
-    assert rig.store.called("settle_failed")[0]["delivered"] == [ids[0], ids[1]]
-    assert rig.row_failures("nacked") == 1
-    assert rig.row_failures("unroutable") == 0
-    assert rig.batch_failures("row_failures") == 1  # one batch, one failed row in it
+    assert list(rig.store.rows) == [ids[2]]  # the confirmed ones are not published again
+    assert rig.store.rows[ids[2]].attempts == 0
+    assert rig.row_failures("nacked") == 0
+    assert rig.batch_failures("nacked") == 1
+    assert not rig.publisher.connected  # reopened before the next batch
+
+
+def test_nacks_never_dead_letter_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, max_attempts=2)
+    row_id = rig.store.add()
+    rig.publisher.script(row_id, Outcome.NACK, times=5)
+
+    for _ in range(6):
+        rig.step()
+
+    assert rig.store.dead_letter == {}
+    assert rig.store.rows == {}  # published once the broker stopped nacking
+    assert rig.batches("committed") == 1
 
 
 def test_refused_row_is_dead_lettered_after_max_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, max_attempts=2)
     row_id = rig.store.add()
-    rig.publisher.script(row_id, Outcome.NACK)
+    rig.publisher.script(row_id, Outcome.RETURN)
 
     rig.step()
     assert rig.store.dead_letter == {}
@@ -309,7 +322,7 @@ def test_refused_row_is_dead_lettered_after_max_attempts(monkeypatch: pytest.Mon
 
     assert rig.store.rows == {}
     assert rig.store.dead_letter[row_id].reason == "exhausted"
-    assert rig.store.dead_letter[row_id].error == "nacked by the broker"
+    assert rig.store.dead_letter[row_id].error.startswith("unroutable")
     assert rig.dead_lettered("exhausted") == 1
 
 
@@ -570,7 +583,7 @@ def test_ledger_count_excludes_invalid_rows(rig: Rig) -> None:
 def test_invalid_row_of_a_rolled_back_batch_returns_and_is_dead_lettered_later(rig: Rig) -> None:
     refused = rig.store.add()
     invalid = rig.store.add(headers=[1])
-    rig.publisher.script(refused, Outcome.NACK, times=1)
+    rig.publisher.script(refused, Outcome.RETURN, times=1)
 
     rig.step()
     assert invalid in rig.store.rows
@@ -585,7 +598,7 @@ def test_invalid_row_of_a_rolled_back_batch_returns_and_is_dead_lettered_later(r
 def test_invalid_rows_of_a_rolled_back_batch_are_not_counted_as_dead_lettered(rig: Rig) -> None:
     refused = rig.store.add()
     rig.store.add(headers=[1])
-    rig.publisher.script(refused, Outcome.NACK, times=1)
+    rig.publisher.script(refused, Outcome.RETURN, times=1)
 
     for _ in range(3):
         rig.step()
@@ -627,7 +640,7 @@ def test_commit_decision_is_applied_after_reconnecting(rig: Rig) -> None:
 
 def test_postgres_lost_during_rollback_prepared_applies_the_rollback_later(rig: Rig) -> None:
     ids = rig.store.add_many(2)
-    rig.publisher.script(ids[0], Outcome.NACK, times=1)
+    rig.publisher.script(ids[0], Outcome.RETURN, times=1)
     rig.store.fail("finish", psycopg.OperationalError("terminating connection"))
 
     with pytest.raises(TransientError):
@@ -733,7 +746,7 @@ def test_crash_points_are_passed_in_protocol_order(rig: Rig) -> None:
 
 def test_failed_batch_passes_only_the_crash_points_before_publishing(rig: Rig) -> None:
     row_id = rig.store.add()
-    rig.publisher.script(row_id, Outcome.NACK)
+    rig.publisher.script(row_id, Outcome.RETURN)
 
     rig.relay.run_batch()
 
@@ -1006,14 +1019,14 @@ def test_a_failed_claim_ahead_is_raised_once_this_batch_is_committed(
 def test_a_failed_batch_keeps_the_claim_made_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)
     ids = rig.store.add_many(4)
-    rig.publisher.script(ids[0], Outcome.NACK, times=1)
+    rig.publisher.script(ids[0], Outcome.RETURN, times=1)
 
     rig.relay.run_batch()
     rig.relay.run_batch()
 
     assert rig.batches("rolled_back") == 1 and rig.batches("committed") == 1
     assert rig.publisher.published_ids() == [1, 2, 3, 4]
-    # The nacked row came back with an attempt counted; the second batch claimed it ahead, alone.
+    # The returned row came back with an attempt counted; the second batch claimed it ahead, alone.
     assert rig.store.rows == {}
     assert rig.store.open is not None and list(rig.store.open.claimed) == [ids[0]]
     assert rig.store.open.claimed[ids[0]].attempts == 1

@@ -1,0 +1,136 @@
+"""A RabbitMQ cluster's URLs, the ledger's replicas and the publisher's answer to a nack."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pika.exceptions
+import pytest
+
+from relay import amqp, config
+from relay import publisher as publisher_module
+from relay.config import RELAY_OPTIONS, redact_url, resolve
+from relay.errors import ConfigError, StartupCheckError, TransientError
+from tests.unit.test_config import ns
+
+DB = "postgresql://relay:pw@db:5432/app"
+THREE = ("amqp://relay:s3cret@mq-0:5672/%2F, amqp://relay:s3cret@mq-1:5673/%2F,"
+         "amqp://relay:s3cret@mq-2:5674/%2F")
+
+
+def values(amqp_url: str) -> dict[str, Any]:
+    return resolve(ns(), RELAY_OPTIONS, {"OUTBOX_DATABASE_URL": DB, "OUTBOX_AMQP_URL": amqp_url})
+
+
+def test_a_comma_separated_list_of_urls_is_accepted_and_split() -> None:
+    url = values(THREE)["amqp_url"]
+    assert config.amqp_urls(url) == [
+        "amqp://relay:s3cret@mq-0:5672/%2F", "amqp://relay:s3cret@mq-1:5673/%2F",
+        "amqp://relay:s3cret@mq-2:5674/%2F"]
+
+
+@pytest.mark.parametrize(("url", "position"), [
+    ("amqp://relay:s3cret@mq-0/,http://relay:s3cret@mq-1/", "URL 2 of 2"),
+    ("amqp://relay:s3cret@mq-0/,,amqp://relay:s3cret@mq-1/", "URL 2 of 3"),
+    ("amqp://relay:s3cret@mq-0/,", "URL 2 of 2"),
+    ("amqp://relay:s3cret@mq-0:99999/,amqp://relay:s3cret@mq-1/", "URL 1 of 2"),
+])
+def test_each_url_of_the_list_is_checked_alone_and_named_by_position(url: str, position: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        values(url)
+    message = str(info.value)
+    assert message.startswith(f"OUTBOX_AMQP_URL {position} ")
+    assert "s3cret" not in message and "\n" not in message
+
+
+def test_a_list_is_redacted_url_by_url() -> None:
+    shown = redact_url(THREE)
+    assert "s3cret" not in shown
+    assert shown.count("relay:***@") == 3 and "mq-2:5674" in shown
+
+
+def test_pika_gets_one_parameter_set_per_node_in_a_random_order() -> None:
+    orders = set()
+    for _ in range(50):
+        params = amqp.connection_parameters(THREE, timeout=3, name="t")
+        assert all(p.connection_attempts == 1 and p.socket_timeout == 3 for p in params)
+        orders.add(tuple(p.port for p in params))
+    assert {frozenset(o) for o in orders} == {frozenset({5672, 5673, 5674})}
+    assert len(orders) > 1  # spread over the nodes
+
+
+@pytest.mark.parametrize(("urls", "replicas"), [(1, 1), (2, 2), (3, 3), (5, 3)])
+def test_the_ledger_gets_one_replica_per_node_three_at_most(urls: int, replicas: int) -> None:
+    url = ",".join(f"amqp://g:g@mq-{n}/" for n in range(urls))
+    assert amqp.ledger_replicas(url) == replicas
+    arguments = amqp.ledger_arguments("7D", replicas)
+    assert arguments.get("x-initial-cluster-size") == (replicas if replicas > 1 else None)
+
+
+class Channel:
+    """queue_declare answers with the broker's 406 for an existing stream of another size."""
+
+    def __init__(self, existing: str | None, declared: list[dict[str, Any]]) -> None:
+        self.existing, self.declared = existing, declared
+
+    def queue_declare(self, *, queue: str, durable: bool, arguments: dict[str, Any]) -> None:
+        self.declared.append(arguments)
+        size = arguments.get("x-initial-cluster-size")
+        if self.existing in (None, "none" if size is None else str(size)):
+            return
+        received = "none" if size is None else f"'{size}'"
+        current = "none" if self.existing == "none" else f"the value '{self.existing}' of type 'signedint'"
+        raise pika.exceptions.ChannelClosedByBroker(
+            406, f"PRECONDITION_FAILED - inequivalent arg 'x-initial-cluster-size' for queue "
+                 f"'{queue}' in vhost '/': received {received} but current is {current}")
+
+    def exchange_declare(self, **_kw: Any) -> None: ...
+    def queue_bind(self, **_kw: Any) -> None: ...
+
+
+def declare(existing: str | None, replicas: int) -> list[dict[str, Any]]:
+    declared: list[dict[str, Any]] = []
+    amqp.declare_ledger(Channel(existing, declared), "ledger", "7D", replicas=replicas,
+                        reopen=lambda: Channel(existing, declared))
+    return declared
+
+
+def test_a_new_ledger_on_a_cluster_is_declared_replicated() -> None:
+    assert declare(None, 3)[0]["x-initial-cluster-size"] == 3
+
+
+def test_an_existing_replicated_ledger_of_another_size_is_used_as_it_is() -> None:
+    assert [d.get("x-initial-cluster-size") for d in declare("2", 3)] == [3, 2]
+    assert [d.get("x-initial-cluster-size") for d in declare("3", 1)] == [None, 3]
+
+
+@pytest.mark.parametrize("existing", ["1", "none"])
+def test_a_single_replica_ledger_on_a_cluster_is_a_startup_error(existing: str) -> None:
+    with pytest.raises(StartupCheckError) as info:
+        declare(existing, 3)
+    message = str(info.value)
+    assert "single replica" in message and "\n" not in message
+    assert "OUTBOX_LEDGER_STREAM" in message
+
+
+def test_a_single_node_relay_keeps_the_ledger_declared_without_a_size() -> None:
+    assert declare("none", 1) == [{"x-queue-type": "stream", "x-max-age": "7D"}]
+
+
+def test_after_a_nack_the_next_connection_is_held_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    pub = publisher_module.AmqpPublisher("amqp://g:g@127.0.0.1:9/", ledger_stream="l",
+                                         ledger_max_age="7D", confirm_timeout=1,
+                                         connect_timeout=1)
+    pub._nacked = 2
+    pub._after_nack()
+    assert pub._result.transient == "nacked by the broker (2 messages)"
+    assert not pub._result.failed  # no row blamed
+    with pytest.raises(TransientError, match=r"holding off .* after the broker nacked"):
+        pub.connect()
+    first = pub._hold_until - time.monotonic()
+    assert 0 < first <= publisher_module.NACK_BACKOFF_BASE
+    pub._nacked = 1
+    pub._after_nack()
+    assert pub._nack_streak == 2
+    assert pub._hold_until - time.monotonic() <= 2 * publisher_module.NACK_BACKOFF_BASE

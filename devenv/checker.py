@@ -114,7 +114,8 @@ def drain(
     """Consume ``queue`` until it stays idle (and, given ``expected``, every id arrived)."""
     deliveries: list[Delivery] = []
     seen: set[str] = set()
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    # A cluster's comma-separated URLs: the first node that answers.
+    conn = pika.BlockingConnection([pika.URLParameters(u) for u in amqp_url.split(",")])
     try:
         channel = conn.channel()
         channel.basic_qos(prefetch_count=2000)

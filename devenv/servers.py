@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,8 @@ from types import TracebackType
 
 import psycopg
 
-__all__ = ["PostgresServer", "RabbitServer", "ServerError", "free_port"]
+__all__ = ["PostgresPair", "PostgresServer", "PostgresStandby", "RabbitCluster", "RabbitServer",
+           "ServerError", "free_port"]
 
 _LOOPBACK = "127.0.0.1"
 _TAIL_LINES = 40
@@ -522,6 +524,118 @@ class PostgresServer:
         self.cleanup()
 
 
+class PostgresStandby(PostgresServer):
+    """A streaming standby of ``primary``: made with pg_basebackup (-R: standby.signal and
+    primary_conninfo with ``application_name``), on a port and directory of its own."""
+
+    def __init__(self, primary: PostgresServer, *, application_name: str = "standby",
+                 base_dir: Path | None = None) -> None:
+        super().__init__(max_prepared_transactions=primary.max_prepared_transactions,
+                         extra_conf=dict(primary.extra_conf), base_dir=base_dir)
+        self.primary = primary
+        self.application_name = application_name
+        self._database_created = True  # copied from the primary; a standby is read-only
+
+    def _initdb(self) -> None:
+        directory = self._dir()
+        self.socket_dir.mkdir(exist_ok=True)
+        if self._as_user is not None:
+            for path in (directory, self.socket_dir):
+                os.chown(path, *self._as_user)
+        conninfo = (f"host={_LOOPBACK} port={self.primary.port} user=postgres "
+                    f"application_name={self.application_name}")
+        self._run("pg_basebackup", [str(self._bindir / "pg_basebackup"), "-D",
+                                    str(self.data_dir), "-d", conninfo, "-R", "-X", "stream",
+                                    "--no-sync", "-c", "fast"], timeout=180)
+        conf = {"port": str(self.port), "unix_socket_directories": str(self.socket_dir),
+                "listen_addresses": _LOOPBACK, "hot_standby": "on"}
+        lines = ["", "# --- devenv.servers standby ---"]
+        lines += [f"{key} = {_pg_quote(value)}" for key, value in conf.items()]
+        with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """pg_ctl promote, and wait until it accepts writes."""
+        self._run("promote", [str(self._bindir / "pg_ctl"), "promote", "-D", str(self.data_dir),
+                              "-w", "-t", str(int(timeout)), "-s"], timeout=timeout + 15)
+
+        def writable() -> bool:
+            try:
+                with psycopg.connect(self.admin_url, connect_timeout=2, autocommit=True) as c:
+                    row = c.execute("SELECT pg_is_in_recovery()").fetchone()
+                    return row is not None and not row[0]
+            except psycopg.OperationalError:
+                return False
+
+        if not _wait_for(writable, timeout, 0.1):
+            raise _error("promoted standby still in recovery", [self.log_path])
+
+
+class PostgresPair:
+    """A primary and a streaming standby (synchronous or asynchronous) that can be promoted.
+
+    ``url`` is libpq's multi-host form with ``target_session_attrs=read-write``: a client
+    reconnecting after a failover finds whichever of the two is the primary now.
+    """
+
+    def __init__(self, *, sync: bool, max_prepared_transactions: int = 64,
+                 base_dir: Path | None = None) -> None:
+        conf = {"wal_level": "replica", "max_wal_senders": "10", "hot_standby": "on",
+                "wal_sender_timeout": "5s", "wal_receiver_status_interval": "1s"}
+        if sync:
+            conf["synchronous_standby_names"] = "standby"
+        self.sync = sync
+        self.primary = PostgresServer(max_prepared_transactions=max_prepared_transactions,
+                                      extra_conf=conf, base_dir=base_dir)
+        self.standby = PostgresStandby(self.primary, base_dir=base_dir)
+
+    @property
+    def url(self) -> str:
+        return (f"postgresql://postgres@{_LOOPBACK}:{self.primary.port},{_LOOPBACK}:"
+                f"{self.standby.port}/outbox?target_session_attrs=read-write")
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.primary.start(timeout)
+        self.standby.start(timeout)
+        self.wait_streaming(timeout)
+
+    def wait_streaming(self, timeout: float = 60.0) -> None:
+        def streaming() -> bool:
+            try:
+                with psycopg.connect(self.primary.admin_url, connect_timeout=2,
+                                     autocommit=True) as c:
+                    row = c.execute("SELECT count(*) FROM pg_stat_replication"
+                                    " WHERE state = 'streaming'").fetchone()
+                    return row is not None and row[0] > 0
+            except psycopg.OperationalError:
+                return False
+
+        if not _wait_for(streaming, timeout, 0.1):
+            raise _error("standby not streaming", [self.primary.log_path, self.standby.log_path])
+
+    def failover(self) -> None:
+        """The primary crashes (SIGKILL) and the standby is promoted, as a failover manager
+        would; the old primary stays down."""
+        self.primary.kill()
+        self.standby.promote()
+
+    def cleanup(self) -> None:
+        self.standby.cleanup()
+        self.primary.cleanup()
+
+    def __enter__(self) -> PostgresPair:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.cleanup()
+
+
 # --------------------------------------------------------------------------------------------
 # RabbitMQ
 
@@ -543,9 +657,12 @@ class RabbitServer:
         port: int | None = None,
         extra_conf: list[str] | None = None,
         base_dir: Path | None = None,
+        cookie: str | None = None,
     ) -> None:
-        """Describe the node; nothing is created or started until start()."""
+        """Describe the node; nothing is created or started until start(). ``cookie``: the
+        Erlang cookie, shared by the nodes of a cluster (RabbitCluster); else the node's own."""
         self.port: int = port if port is not None else free_port()
+        self.cookie = cookie
         self.url: str = f"amqp://guest:guest@{_LOOPBACK}:{self.port}/%2F"
         # Mnesia data belongs to a node name, so the name must not change across restarts.
         self.node_name: str = f"outbox-test-{self.port}@localhost"
@@ -597,6 +714,11 @@ class RabbitServer:
         # An empty env file replaces /etc/rabbitmq/rabbitmq-env.conf, whose NODENAME and
         # ERL_FLAGS would otherwise be sourced by the start script.
         (d / "rabbitmq-env.conf").write_text("", encoding="utf-8")
+        if self.cookie is not None:
+            cookie = d / "home" / ".erlang.cookie"
+            if not cookie.exists():
+                cookie.write_text(self.cookie, encoding="ascii")
+                cookie.chmod(0o400)
 
     def _env(self) -> dict[str, str]:
         d = self._dir()
@@ -683,6 +805,11 @@ class RabbitServer:
                 # helpers down together, and a terminal's Ctrl-C does not reach them.
                 start_new_session=True,
             )
+        self.wait_amqp(timeout)
+
+    def wait_amqp(self, timeout: float = 60.0) -> None:
+        """Wait until an AMQP connection works (after start, or after ``start_app``)."""
+        assert self._proc is not None
         deadline = time.monotonic() + timeout
         while not self._amqp_ready():
             code = self._proc.poll()
@@ -824,4 +951,115 @@ class RabbitServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.cleanup()
+
+
+class RabbitCluster:
+    """``size`` RabbitMQ nodes on this machine joined into one cluster (no Docker).
+
+    Each node is a RabbitServer of its own (node name, AMQP port, distribution port, data
+    directory); they share an Erlang cookie. Node 0 boots first; the others boot together and
+    join it at their first boot (classic-config peer discovery, which lists every node: the
+    same as ``rabbitmqctl join_cluster``, without a stop_app/start_app round per node).
+    ``url`` is every node's URL, comma-separated: OUTBOX_AMQP_URL's cluster form. A node can
+    be killed, stopped and restarted on its own; it rejoins by itself.
+    """
+
+    def __init__(self, size: int = 3, *, extra_conf: list[str] | None = None,
+                 base_dir: Path | None = None) -> None:
+        cookie = "OUTBOXTEST" + os.urandom(10).hex().upper()
+        ports: list[int] = []
+        while len(ports) < size:
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        peers = ["cluster_formation.peer_discovery_backend = classic_config"] + [
+            f"cluster_formation.classic_config.nodes.{n} = outbox-test-{port}@localhost"
+            for n, port in enumerate(ports, 1)]
+        self.nodes = [RabbitServer(port=port, extra_conf=[*peers, *(extra_conf or [])],
+                                   base_dir=base_dir, cookie=cookie) for port in ports]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated."""
+        return ",".join(self.urls)
+
+    def start(self, timeout: float = 90.0) -> None:
+        self.nodes[0].start(timeout)
+        errors: list[BaseException] = []
+
+        def boot(node: RabbitServer) -> None:
+            try:
+                node.start(timeout)
+            except BaseException as exc:  # reported below, from the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=boot, args=(node,)) for node in self.nodes[1:]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        joined = self.ctl("cluster_status", "--formatter", "json")
+        missing = [n.node_name for n in self.nodes if f'"{n.node_name}"' not in joined]
+        if missing:
+            raise ServerError(f"RabbitMQ nodes {missing} did not join the cluster")
+
+    def running(self) -> list[RabbitServer]:
+        return [node for node in self.nodes if node.running]
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """``rabbitmqctl`` against the first running node."""
+        for node in self.running():
+            return node.ctl(*args, timeout=timeout)
+        raise ServerError("no node of the cluster is running")
+
+    def queue_info(self, name: str) -> dict[str, str]:
+        """A queue's ``leader`` and ``members`` (node names), from rabbitmqctl list_queues."""
+        out = self.ctl("list_queues", "-q", "--no-table-headers", "name", "leader", "members")
+        for line in out.splitlines():
+            parts = line.split("\t")
+            if parts and parts[0] == name:
+                return {"leader": parts[1] if len(parts) > 1 else "",
+                        "members": parts[2] if len(parts) > 2 else ""}
+        return {"leader": "", "members": ""}
+
+    def leader(self, queue: str) -> RabbitServer | None:
+        """The node leading a quorum queue or stream now, or None (no leader)."""
+        name = self.queue_info(queue)["leader"]
+        return next((node for node in self.nodes if node.node_name == name), None)
+
+    def node_of_port(self, port: int) -> RabbitServer | None:
+        return next((node for node in self.nodes if node.port == port), None)
+
+    def connected_node(self, connection_name: str) -> RabbitServer | None:
+        """The node a client connection named ``connection_name`` is on (its AMQP port)."""
+        out = self.ctl("list_connections", "-q", "--no-table-headers", "client_properties",
+                       "port")
+        for line in out.splitlines():
+            if connection_name in line:
+                port = line.rsplit("\t", 1)[-1].strip()
+                if port.isdigit():
+                    return self.node_of_port(int(port))
+        return None
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+    def __enter__(self) -> RabbitCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.cleanup()

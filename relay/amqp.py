@@ -111,19 +111,21 @@ def declare_ledger(channel: Any, stream: str, max_age: str, *, replicas: int = 1
             if exc.reply_code != 406 or "x-initial-cluster-size" not in exc.reply_text:
                 raise
             found = _CURRENT_SIZE_RE.search(exc.reply_text)
-            current = int(found.group(1)) if found else 1  # none: a single node's declaration
-            if replicas > 1 and current < 2:
+            # None: declared without a size, which RabbitMQ replicates to every node the
+            # cluster had then (a stream made before the cluster was formed has one replica
+            # that AMQP cannot show: rabbitmq-streams stream_status can).
+            current = int(found.group(1)) if found else None
+            if replicas > 1 and current == 1:
                 raise StartupCheckError(
-                    f"ledger stream {stream!r} exists with a single replica on a cluster of "
-                    f"{len_text(replicas)} nodes (x-initial-cluster-size "
-                    f"{'1' if found else 'not set'}): losing its node loses the ledger; add "
-                    "replicas (rabbitmq-streams add_replica) and redeclare it, or use a new "
-                    "OUTBOX_LEDGER_STREAM") from exc
+                    f"ledger stream {stream!r} exists with a single replica "
+                    f"(x-initial-cluster-size 1) on a cluster of {len_text(replicas)} nodes: "
+                    "losing its node loses the ledger; add replicas (rabbitmq-streams "
+                    "add_replica) or set a new OUTBOX_LEDGER_STREAM") from exc
             if reopen is None:
                 raise
             channel = reopen()
             channel.queue_declare(queue=stream, durable=True,
-                                  arguments=ledger_arguments(max_age, current))
+                                  arguments=ledger_arguments(max_age, current or 1))
         step = "exchange"
         channel.exchange_declare(exchange=stream, exchange_type="direct", durable=True)
         step = "binding"

@@ -134,7 +134,8 @@ class Env:
                                  gid_prefix=self.gid_prefix)
 
     def amqp_channel(self) -> tuple[Any, Any]:
-        conn = pika.BlockingConnection(pika.URLParameters(self.amqp_url))
+        # A cluster's comma-separated URLs: the first node that answers.
+        conn = pika.BlockingConnection([pika.URLParameters(u) for u in self.amqp_url.split(",")])
         return conn, conn.channel()
 
 
@@ -142,8 +143,10 @@ def server_url(server: PostgresServer | RabbitServer | External) -> str:
     return server.url
 
 
-def make_env(db_url: str, amqp_url: str, tag: str = "t") -> Env:
-    """A fresh corner of the servers: migrated table, exchange and bound queue, unique names."""
+def make_env(db_url: str, amqp_url: str, tag: str = "t", *,
+             queue_arguments: dict[str, Any] | None = None) -> Env:
+    """A fresh corner of the servers: migrated table, exchange and bound queue, unique names
+    (``queue_arguments``: e.g. a quorum queue on a cluster)."""
     uid = secrets.token_hex(4)
     e = Env(
         db_url=db_url, amqp_url=amqp_url, table=f"outbox_{tag}{uid}", gid_prefix=f"{tag}{uid}",
@@ -153,7 +156,7 @@ def make_env(db_url: str, amqp_url: str, tag: str = "t") -> Env:
     migrate(e.db_url, e.table)
     conn, channel = e.amqp_channel()
     channel.exchange_declare(e.exchange, exchange_type="topic", durable=True)
-    channel.queue_declare(e.queue, durable=True)
+    channel.queue_declare(e.queue, durable=True, arguments=queue_arguments)
     channel.queue_bind(e.queue, e.exchange, routing_key="#")
     conn.close()
     return e

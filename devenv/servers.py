@@ -529,8 +529,8 @@ class PostgresStandby(PostgresServer):
     primary_conninfo with ``application_name``), on a port and directory of its own."""
 
     def __init__(self, primary: PostgresServer, *, application_name: str = "standby",
-                 base_dir: Path | None = None) -> None:
-        super().__init__(max_prepared_transactions=primary.max_prepared_transactions,
+                 port: int | None = None, base_dir: Path | None = None) -> None:
+        super().__init__(port=port, max_prepared_transactions=primary.max_prepared_transactions,
                          extra_conf=dict(primary.extra_conf), base_dir=base_dir)
         self.primary = primary
         self.application_name = application_name
@@ -582,8 +582,6 @@ class PostgresPair:
                  base_dir: Path | None = None) -> None:
         conf = {"wal_level": "replica", "max_wal_senders": "10", "hot_standby": "on",
                 "wal_sender_timeout": "5s", "wal_receiver_status_interval": "1s"}
-        if sync:
-            conf["synchronous_standby_names"] = "standby"
         self.sync = sync
         self.primary = PostgresServer(max_prepared_transactions=max_prepared_transactions,
                                       extra_conf=conf, base_dir=base_dir)
@@ -598,6 +596,15 @@ class PostgresPair:
         self.primary.start(timeout)
         self.standby.start(timeout)
         self.wait_streaming(timeout)
+        if self.sync:  # only now: the primary's CREATE DATABASE would wait for the standby
+            self.make_sync(self.primary)
+
+    @staticmethod
+    def make_sync(primary: PostgresServer) -> None:
+        """Make the standby named ``standby`` synchronous (ALTER SYSTEM, reload)."""
+        with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def wait_streaming(self, timeout: float = 60.0) -> None:
         def streaming() -> bool:
@@ -618,6 +625,19 @@ class PostgresPair:
         would; the old primary stays down."""
         self.primary.kill()
         self.standby.promote()
+
+    def rebuild(self) -> None:
+        """After failover(): the promoted standby is the primary; a new standby is made from
+        it on the old primary's port (so ``url`` stays the same), synchronous again if the
+        pair was."""
+        old, port = self.primary, self.primary.port
+        old.cleanup()
+        self.primary = self.standby
+        self.standby = PostgresStandby(self.primary, port=port, base_dir=old.base_dir)
+        self.standby.start()
+        self.wait_streaming()
+        if self.sync:
+            self.make_sync(self.primary)
 
     def cleanup(self) -> None:
         self.standby.cleanup()

@@ -123,7 +123,9 @@ def _run(args: argparse.Namespace) -> int:
     relay_metrics = metrics.RelayMetrics(confirm_timeout=settings.confirm_timeout)
     health = relay_health(settings)
     store = OutboxStore(settings.database_url, settings.table,
-                        connect_timeout=settings.connect_timeout)
+                        connect_timeout=settings.connect_timeout,
+                        standby_wait=settings.standby_wait,
+                        standby_wait_timeout=settings.standby_wait_timeout)
     publisher = AmqpPublisher(
         settings.amqp_url, ledger_stream=settings.ledger_stream,
         ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.confirm_timeout,

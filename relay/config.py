@@ -402,6 +402,24 @@ RECONNECT_MAX_DELAY = Option(
     "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", _positive_float, "30",
     "longest wait between reconnection attempts (exponential backoff with jitter)",
 )
+def _standby(text: str) -> str:
+    if text and not re.fullmatch(r"[A-Za-z0-9_.-]{1,63}", text):
+        raise ValueError("must be empty (off), any, sync, or a standby's application_name "
+                         "(letters, digits, _ . -)")
+    return text
+
+
+STANDBY_WAIT = Option(
+    "standby_wait", "OUTBOX_STANDBY_WAIT", _standby, "",
+    "publish a batch only once this standby has flushed the WAL past its claim: a standby's "
+    "application_name, sync (a synchronous one) or any; empty: off",
+    doc="no ghost events after an asynchronous failover; needs pg_read_all_stats (pg_monitor) "
+        "for pg_stat_replication; its cost: [operations.md](operations.md#clusters-and-failover)",
+)
+STANDBY_WAIT_TIMEOUT = Option(
+    "standby_wait_timeout", "OUTBOX_STANDBY_WAIT_TIMEOUT", _positive_float, "10",
+    "seconds to wait for OUTBOX_STANDBY_WAIT before rolling the batch back and retrying it",
+)
 RESOLVER_INTERVAL = Option(
     "interval", "OUTBOX_RESOLVER_INTERVAL", _positive_float, "2",
     "seconds between scans of pg_prepared_xacts",
@@ -447,6 +465,8 @@ class RelaySettings:
     log_format: str = LOG_FORMAT.field()
     connect_timeout: float = CONNECT_TIMEOUT.field()
     reconnect_max_delay: float = RECONNECT_MAX_DELAY.field()
+    standby_wait: str = STANDBY_WAIT.field()
+    standby_wait_timeout: float = STANDBY_WAIT_TIMEOUT.field()
 
     def __post_init__(self) -> None:
         if self.poll_min_interval > self.poll_max_interval:

@@ -10,6 +10,7 @@ confirmed, and this one committed while the next claim is open.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -121,6 +122,16 @@ def _usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
     if conn is None or conn.closed:
         raise TransientError("not connected to PostgreSQL")
     return conn
+
+
+def standby_flushed_query(standby: str) -> str:
+    """True once the standby OUTBOX_STANDBY_WAIT names (``any``: any streaming standby;
+    ``sync``: a synchronous or quorum one) has flushed WAL up to %(lsn)s. Reading another
+    session's positions in pg_stat_replication takes pg_read_all_stats (or pg_monitor)."""
+    where = {"any": "true", "sync": "sync_state IN ('sync', 'quorum')"}.get(
+        standby, "application_name = %(name)s")
+    return ("SELECT coalesce(bool_or(flush_lsn >= %(lsn)s::pg_lsn), false) "
+            f"FROM pg_stat_replication WHERE state = 'streaming' AND {where}")
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -254,8 +265,11 @@ class OutboxStore:
     """The relay's view of the outbox on one session-mode connection."""
 
     def __init__(self, url: str, table: str, *, connect_timeout: float = 10.0,
-                 application_name: str = "outbox-relay") -> None:
+                 application_name: str = "outbox-relay", standby_wait: str = "",
+                 standby_wait_timeout: float = 10.0) -> None:
         self._url = url
+        self._standby_wait = standby_wait
+        self._standby_wait_timeout = standby_wait_timeout
         self._connect_timeout = connect_timeout
         self._application_name = application_name
         self.tables = Tables(table)
@@ -386,7 +400,36 @@ class OutboxStore:
         # A transaction that already failed answers "ROLLBACK" without an error.
         if cur.statusmessage != "PREPARE TRANSACTION" or row is None:
             raise TransientError(f"PREPARE TRANSACTION answered {cur.statusmessage!r}")
+        if self._standby_wait:
+            self._wait_for_standby(gid)
         return int(row[0])
+
+    def _wait_for_standby(self, gid: str) -> None:
+        """OUTBOX_STANDBY_WAIT: return once the standby has flushed the WAL up to this claim.
+
+        The claim's PREPARE follows every producer commit it claimed rows of, so a standby
+        that flushed past it has those commits too: promoted, it cannot lack the data of an
+        event the relay then publishes (no "ghost" events after an asynchronous failover).
+        Past OUTBOX_STANDBY_WAIT_TIMEOUT the batch is rolled back (nothing was published)
+        and the relay retries it after a backoff: no row counts an attempt.
+        """
+        lsn = self.claim_conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+        assert lsn is not None
+        query = standby_flushed_query(self._standby_wait)
+        deadline = time.monotonic() + self._standby_wait_timeout
+        pause = 0.0005
+        while True:
+            row = self.conn.execute(query, {"lsn": lsn[0], "name": self._standby_wait}).fetchone()
+            if row is not None and row[0]:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        finish_prepared(self.conn, gid, commit=False)
+        raise TransientError(
+            f"standby {self._standby_wait!r} did not flush past the claim within "
+            f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
 
     def finish(self, gid: str, *, commit: bool) -> bool:
         """Step 5 (or the failure path): False if someone else already finished it."""

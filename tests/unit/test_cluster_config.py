@@ -8,7 +8,7 @@ from typing import Any
 import pika.exceptions
 import pytest
 
-from relay import amqp, config
+from relay import amqp, config, store
 from relay import publisher as publisher_module
 from relay.config import RELAY_OPTIONS, redact_url, resolve
 from relay.errors import ConfigError, StartupCheckError, TransientError
@@ -138,3 +138,20 @@ def test_after_a_nack_the_next_connection_is_held_off(monkeypatch: pytest.Monkey
     pub._after_nack()
     assert pub._nack_streak == 2
     assert pub._hold_until - time.monotonic() <= 2 * publisher_module.NACK_BACKOFF_BASE
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ("any", "true"), ("sync", "sync_state IN ('sync', 'quorum')"),
+    ("standby-1", "application_name = %(name)s")])
+def test_the_standby_wait_reads_the_named_standbys_flush_position(value: str, where: str) -> None:
+    query = store.standby_flushed_query(value)
+    assert "flush_lsn >= %(lsn)s::pg_lsn" in query and query.endswith(where)
+    assert values(THREE)["standby_wait"] == ""  # off unless set
+    assert resolve(ns(), RELAY_OPTIONS, {"OUTBOX_DATABASE_URL": DB, "OUTBOX_AMQP_URL": THREE,
+                                         "OUTBOX_STANDBY_WAIT": value})["standby_wait"] == value
+
+
+def test_a_bad_standby_name_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"^OUTBOX_STANDBY_WAIT must be empty"):
+        resolve(ns(), RELAY_OPTIONS, {"OUTBOX_DATABASE_URL": DB, "OUTBOX_AMQP_URL": THREE,
+                                      "OUTBOX_STANDBY_WAIT": "x'; DROP"})

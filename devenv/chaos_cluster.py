@@ -1,0 +1,452 @@
+"""The cluster chaos run: ``./dev chaos --cluster`` (or ``python -m devenv.chaos_cluster``).
+
+A 3-node RabbitMQ cluster (a quorum sink queue, the ledger stream replicated on all three
+nodes) and a PostgreSQL primary with a synchronous streaming standby; 4 relays and a resolver
+given every node's URL (OUTBOX_AMQP_URL) and libpq's multi-host URL with
+target_session_attrs=read-write (OUTBOX_DATABASE_URL). While a producer inserts a steady stream
+of events and the hostile producer of devenv/chaos.py mixes in rows that must be dead-lettered,
+a loop injects, every few seconds, one of:
+
+- ``relay``: SIGKILL of a relay (restarted at once);
+- ``connected_node``: SIGKILL of the RabbitMQ node a relay is connected to (restarted later);
+- ``ledger_leader`` / ``sink_leader``: SIGKILL of the ledger stream's / sink queue's leader;
+- ``node_restart``: a node stopped gracefully and started again;
+- ``no_majority``: two nodes of three down for a while (nothing may commit meanwhile);
+- ``promote``: the PostgreSQL primary SIGKILLed and its standby promoted while relays hold
+  prepared batches (a new standby is then built on the old primary's port);
+- ``postgres``: an immediate-mode crash and restart of the primary.
+
+A consumer reads the sink all along (moving to another node when its own dies). The time from
+each fault until events flow again is measured on the relays' commits (sampled every 0.1 s):
+the end of the longest pause over 1 s that began within 5 s of the fault (else the first
+commit after it). At the end everything drains and the total-queue checker runs: lost, unexpected,
+duplicates, dead letters, what is left in the outbox or in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import psycopg
+
+from devenv import checker
+from devenv.chaos import (
+    EXCHANGE,
+    LEDGER,
+    MAX_MESSAGE_BYTES,
+    QUEUE,
+    HostileProducer,
+    Producer,
+    Tally,
+    _scalar,
+    _spawn,
+    _watch_in_doubt,
+)
+from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
+from relay.migrate import migrate
+
+# Faults and their weights: node kills the most, the slow ones (promotion, no majority) less.
+FAULTS = {"relay": 3, "connected_node": 2, "ledger_leader": 2, "sink_leader": 2,
+          "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1}
+
+
+@dataclass
+class Figures:
+    faults: dict[str, int] = field(default_factory=dict)
+    injected: list[tuple[str, float]] = field(default_factory=list)  # (kind, monotonic time)
+    committed_without_majority: int = 0
+
+
+class Consumer(threading.Thread):
+    """Reads the sink queue all along, acking each delivery; reconnects to any live node."""
+
+    def __init__(self, cluster: RabbitCluster, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.stop_event = cluster, stop
+        self.deliveries: list[checker.Delivery] = []
+        self.times: list[float] = []
+        self.idle_since = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                params = [pika.URLParameters(u) for u in self.cluster.urls]
+                for p in params:
+                    p.connection_attempts, p.socket_timeout = 1, 3
+                random.shuffle(params)
+                conn = pika.BlockingConnection(params)
+                try:
+                    channel = conn.channel()
+                    channel.basic_qos(prefetch_count=2000)
+                    for method, props, body in channel.consume(QUEUE, inactivity_timeout=0.5):
+                        if self.stop_event.is_set():
+                            break
+                        if method is None:
+                            continue
+                        self._record(props, body)
+                        channel.basic_ack(method.delivery_tag)
+                finally:
+                    if conn.is_open:
+                        conn.close()
+            except (pika.exceptions.AMQPError, OSError, ValueError):
+                time.sleep(0.3)
+
+    def _record(self, props: Any, body: bytes) -> None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {}
+        key = data.get("key") if isinstance(data, dict) else None
+        seq = data.get("seq") if isinstance(data, dict) else None
+        self.deliveries.append(checker.Delivery(props.message_id, key, seq))
+        self.times.append(time.monotonic())
+        self.idle_since = time.monotonic()
+
+
+class Flow(threading.Thread):
+    """Samples, every 0.1 s, how many events the relays have committed so far (produced minus
+    still in the outbox: a claimed row counts once its batch commits) and keeps the times at
+    which that number grew. Independent of the consumer, which may be reconnecting itself."""
+
+    def __init__(self, url: Callable[[], str], tally: Tally, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.url, self.tally, self.stop_event = url, tally, stop
+        self.times: list[float] = []
+
+    def run(self) -> None:
+        last = -1.0
+        conn: psycopg.Connection[Any] | None = None
+        while not self.stop_event.wait(0.1):
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = psycopg.connect(self.url(), autocommit=True, connect_timeout=1)
+                produced = len(self.tally.produced) + len(self.tally.hostile)
+                row = conn.execute("SELECT count(*) FROM outbox").fetchone()
+            except psycopg.Error:
+                conn = None
+                continue
+            relayed = produced - (row[0] if row else 0)
+            if relayed > last:
+                self.times.append(time.monotonic())
+            last = max(last, relayed)
+
+
+def recovery_seconds(times: list[float], at: float, until: float) -> float:
+    """From a fault injected at ``at`` until events flow again: the end of the longest pause
+    (over 1 s) in the relays' commits that began within 5 s of the fault, before ``until`` (the
+    next fault); without such a pause, the time to the first commit after the fault."""
+    before = [t for t in times if t < at]
+    inside = [t for t in times if at <= t < until]
+    if not inside:
+        return round(until - at, 3)
+    points = before[-1:] + inside
+    pauses = [b - at for a, b in itertools.pairwise(points) if b - a >= 1.0 and a <= at + 5]
+    return round(max(pauses, default=inside[0] - at), 3)
+
+
+@dataclass
+class Injector:
+    rng: random.Random
+    tally: Tally
+    figures: Figures
+    cluster: RabbitCluster
+    pair: PostgresPair
+    spawn_relay: Callable[[int], Any]
+    procs: list[Any]
+    relay_count: int
+    pg_admin: Callable[[], str]
+    # Nodes being restarted in the background: a RabbitMQ node takes 10-20 s to boot here, and
+    # the relay and PostgreSQL faults need not wait for it (the next RabbitMQ fault does).
+    restarts: list[threading.Thread] = field(default_factory=list)
+
+    def inject(self, fault: str) -> None:
+        if fault not in ("relay", "promote", "postgres"):
+            self.wait_restarts()
+        self.figures.injected.append((fault, time.monotonic()))
+        getattr(self, f"_{fault}")()
+        self.figures.faults[fault] = self.figures.faults.get(fault, 0) + 1
+
+    def wait_restarts(self) -> None:
+        for thread in self.restarts:
+            thread.join()
+        self.restarts.clear()
+
+    def _restart_later(self, nodes: list[RabbitServer], low: float, high: float) -> None:
+        delay = self.rng.uniform(low, high)
+
+        def restart(node: RabbitServer) -> None:
+            time.sleep(delay)
+            node.restart()
+
+        for node in nodes:
+            thread = threading.Thread(target=restart, args=(node,), daemon=True)
+            thread.start()
+            self.restarts.append(thread)
+
+    def _kill_node(self, node: RabbitServer | None) -> None:
+        if node is None or not node.running:
+            node = self.rng.choice(self.cluster.running())
+        node.kill()
+        self.tally.rabbitmq_restarts += 1
+        self._restart_later([node], 1, 4)
+
+    def _relay(self) -> None:
+        i = self.rng.randrange(self.relay_count)
+        self.procs[i].kill()
+        self.procs[i].wait()
+        self.procs[i] = self.spawn_relay(i)
+        self.tally.relay_kills += 1
+
+    def _connected_node(self) -> None:
+        self._kill_node(self.cluster.connected_node("outbox-relay"))
+
+    def _ledger_leader(self) -> None:
+        self._kill_node(self.cluster.leader(LEDGER))
+
+    def _sink_leader(self) -> None:
+        self._kill_node(self.cluster.leader(QUEUE))
+
+    def _node_restart(self) -> None:
+        node = self.rng.choice(self.cluster.running())
+        node.stop()
+        self.tally.rabbitmq_restarts += 1
+        self._restart_later([node], 1, 3)
+
+    def _no_majority(self) -> None:
+        """Two nodes of three down: the quorum sink and the replicated ledger confirm nothing,
+        so nothing may commit. Sampled: the committed count of the outbox's deletes."""
+        down = self.rng.sample(self.cluster.nodes, 2)
+        for node in down:
+            node.kill()
+        self.tally.rabbitmq_restarts += 2
+        time.sleep(7)  # the batches in flight end (confirm timeout 5 s)
+        before = _scalar(self.pg_admin(), "SELECT count(*) FROM outbox")
+        left_before = before
+        time.sleep(self.rng.uniform(4, 8))
+        after = _scalar(self.pg_admin(), "SELECT count(*) FROM outbox")
+        # The producer only adds: fewer rows means a batch committed without a majority.
+        if 0 <= after < left_before:
+            self.figures.committed_without_majority += int(left_before - after)
+        self._restart_later(down, 0, 0.5)
+
+    def _promote(self) -> None:
+        """The primary dies with batches in doubt; its synchronous standby is promoted; a new
+        standby is built on the old primary's port so the URL stays the same."""
+        self.pair.failover()
+        self.pair.rebuild()
+        self.tally.postgres_restarts += 1
+
+    def _postgres(self) -> None:
+        self.pair.primary.stop("immediate")
+        time.sleep(self.rng.uniform(0.5, 2))
+        self.pair.primary.restart()
+        self.tally.postgres_restarts += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./dev chaos --cluster", description=__doc__)
+    parser.add_argument("--duration", type=float, default=60, help="seconds of chaos")
+    parser.add_argument("--rate", type=float, default=300, help="events per second offered")
+    parser.add_argument("--relays", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--fault-gap", type=float, nargs=2, default=(5.0, 12.0),
+                        metavar=("MIN", "MAX"), help="seconds between faults (default: 5 12)")
+    parser.add_argument("--cycle", action="store_true",
+                        help="inject every kind of fault in turn instead of at random by weight")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--hostile-gap", type=float, default=2.0, metavar="SECONDS",
+                        help="mean seconds between hostile rows (0: none; default: 2)")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    tally, figures = Tally(), Figures()
+
+    with ExitStack() as stack:
+        started_servers = time.monotonic()
+        pair = PostgresPair(sync=True, max_prepared_transactions=32)
+        stack.callback(pair.cleanup)
+        cluster = RabbitCluster(3)
+        stack.callback(cluster.cleanup)
+        boot = threading.Thread(target=pair.start)
+        boot.start()
+        cluster.start()
+        boot.join()
+        pair.wait_streaming()
+        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-")))
+
+        def pg_admin() -> str:
+            return pair.primary.url
+
+        migrate(pair.url, "outbox")
+        conn = pika.BlockingConnection(pika.URLParameters(cluster.urls[0]))
+        channel = conn.channel()
+        channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
+        channel.queue_declare(QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
+        channel.queue_bind(QUEUE, EXCHANGE, routing_key="#")
+        channel.queue_declare(LEDGER, durable=True, arguments={
+            "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
+        conn.close()
+        time.sleep(1.5)  # RabbitMQ 3.10 loses a stream killed within ~1 s of its declaration
+        print(f"servers up in {time.monotonic() - started_servers:.0f} s", flush=True)
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update({"OUTBOX_DATABASE_URL": pair.url, "OUTBOX_AMQP_URL": cluster.url,
+                    "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
+                    "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
+                    "OUTBOX_CONNECT_TIMEOUT": "3",
+                    "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+                    "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(Path.cwd())})
+        names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
+        procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
+
+        injector = Injector(rng, tally, figures, cluster, pair,
+                            lambda i: _spawn(f"relay-{i}", "relay", env, logdir), procs,
+                            args.relays, pg_admin)
+
+        def respawn_exited() -> None:
+            for i, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    tally.unexpected_exits += 1
+                    print(f"  {names[i]} exited by itself ({proc.returncode}); restarted",
+                          flush=True)
+                    procs[i] = _spawn(names[i], names[i].split("-")[0], env, logdir)
+
+        def kill_all() -> None:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+        stack.callback(kill_all)
+        stop, watching, consuming = threading.Event(), threading.Event(), threading.Event()
+        watching.set()
+        producer = Producer(pair.url, args.rate, stop, tally)
+        producer.start()
+        hostile = HostileProducer(pair.url, cluster.urls[0], args.hostile_gap, stop, tally,
+                                  random.Random(rng.random()))
+        hostile.amqp_url = cluster.url.split(",")[0]
+        if args.hostile_gap > 0:
+            hostile.start()
+        consumer = Consumer(cluster, consuming)
+        consumer.start()
+        flow = Flow(lambda: pair.url, tally, consuming)
+        flow.start()
+        watch = threading.Thread(target=_watch_in_doubt, args=(pair.url, watching, tally),
+                                 daemon=True)
+        watch.start()
+
+        print(f"cluster chaos for {args.duration:.0f} s: {args.relays} relays, "
+              f"{args.rate:.0f} events/s, logs in {logdir}", flush=True)
+        started = time.monotonic()
+        next_fault = started + rng.uniform(*args.fault_gap)
+        cycle = list(FAULTS)
+        count = 0
+        while time.monotonic() - started < args.duration:
+            respawn_exited()
+            if time.monotonic() >= next_fault:
+                if args.cycle:
+                    fault = cycle[count % len(cycle)]
+                else:
+                    fault = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+                count += 1
+                injector.inject(fault)
+                print(f"  {time.monotonic() - started:6.1f} s  fault: {fault}", flush=True)
+                next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
+            time.sleep(0.5)
+
+        stop.set()
+        producer.join(30)
+        if hostile.is_alive():
+            hostile.join(30)
+        injector.wait_restarts()  # every node back for the drain
+        for node in cluster.nodes:
+            if not node.running:
+                node.restart()
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            left = _scalar(pair.url, "SELECT count(*) FROM outbox")
+            doubt = _scalar(pair.url, "SELECT count(*) FROM pg_prepared_xacts")
+            if left == 0 and doubt == 0:
+                break
+            respawn_exited()
+            time.sleep(1)
+        watching.clear()
+        watch.join(10)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
+        expected = set(tally.produced)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not expected <= {
+                d.message_id for d in consumer.deliveries}:
+            time.sleep(1)
+        while time.monotonic() - consumer.idle_since < 3:
+            time.sleep(0.5)
+        consuming.set()
+        consumer.join(10)
+        with psycopg.connect(pair.url, autocommit=True) as db:
+            report = checker.check(tally.produced, consumer.deliveries, conn=db, table="outbox")
+        expected_dead = set(tally.hostile)
+        missing_dead = report.dead_letter_missing(expected_dead)
+        ends = [at for _kind, at in figures.injected[1:]] + [started + args.duration]
+        recoveries = [recovery_seconds(flow.times, at, min(end, at + 60))
+                      for (_kind, at), end in zip(figures.injected, ends, strict=True)]
+        by_kind: dict[str, list[float]] = {}
+        for (kind, _at), seconds in zip(figures.injected, recoveries, strict=True):
+            by_kind.setdefault(kind, []).append(seconds)
+        result = {
+            "duration_seconds": args.duration, "relays": args.relays, "rate": args.rate,
+            "batch_size": args.batch_size, "seed": args.seed, "events": report.produced,
+            "delivered": report.delivered, "faults": sum(figures.faults.values()),
+            "faults_by_kind": figures.faults,
+            "hostile_rows": len(expected_dead),
+            "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
+            "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
+            "duplicated": report.duplicates,
+            "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
+            "committed_without_majority": figures.committed_without_majority,
+            "longest_in_doubt_seconds": round(tally.max_in_doubt_seconds, 2),
+            "unexpected_exits": tally.unexpected_exits,
+            "producer_retries": tally.producer_errors,
+            "recovery_p50_seconds": round(statistics.median(recoveries), 3) if recoveries else 0,
+            "recovery_max_seconds": max(recoveries, default=0.0),
+            "recovery_by_kind": {k: {"p50": round(statistics.median(v), 3), "max": max(v)}
+                                 for k, v in sorted(by_kind.items())},
+        }
+        print()
+        for name, value in result.items():
+            print(f"  {name:<28}{value}")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        ok = (report.ok(max_duplicates=args.batch_size * max(1, len(recoveries)) * args.relays,
+                        dead_letter_expected=expected_dead)
+              and tally.unexpected_exits == 0 and figures.committed_without_majority == 0)
+        print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
+              else f"\nFAILED: {report.summary()} unexpected_exits={tally.unexpected_exits}"
+                   f" committed_without_majority={figures.committed_without_majority}")
+        if not ok:
+            kept = Path(tempfile.gettempdir()) / f"outbox-chaos-cluster-logs-{int(time.time())}"
+            shutil.copytree(logdir, kept)
+            print(f"relay and resolver logs kept in {kept}")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The cluster chaos run in short form: 3 RabbitMQ nodes and a PostgreSQL primary with a
+synchronous standby, every kind of cluster fault in turn under load (node kills, leaders,
+no majority, promotion), hostile rows mixed in, then the checker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def test_cluster_chaos_run_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "chaos-cluster.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "devenv.chaos_cluster", "--duration", "75", "--fault-gap", "2",
+         "4", "--cycle", "--rate", "200", "--seed", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["faults"] >= 5, figures
+    assert figures["events"] > 5000, figures
+    assert figures["lost"] == 0 and figures["unexpected"] == 0, figures
+    assert figures["left_in_outbox"] == 0 and figures["in_doubt_left"] == 0, figures
+    assert figures["committed_without_majority"] == 0, figures
+    assert figures["delivered"] == figures["events"] + figures["duplicated"], figures
+    assert figures["hostile_dead_lettered"] == figures["hostile_rows"], figures
+    assert figures["unexpected_exits"] == 0, figures

@@ -26,8 +26,8 @@ log = logging.getLogger("relay")
 
 # Backoff between reconnection attempts; tests shrink these.
 RECONNECT_INITIAL_DELAY = 0.2
-# Batches in a row that lost the broker connection (or their confirms) before every row of the
-# batch counts an attempt: a row that kills the connection in a way we cannot tell apart from
+# Batches in a row that lost the broker connection (not merely their confirms) before every
+# row of the batch counts an attempt: a row that kills the connection in a way we cannot tell apart from
 # the network must not be retried forever, and retried alone it names itself.
 LOST_STREAK_LIMIT = 3
 
@@ -338,7 +338,10 @@ class Relay:
         an attempt for every row of this one whose fate is unknown: such rows are then claimed
         alone, and a row that loses the connection on its own runs out of attempts."""
         transient = result.transient or ""
-        if not transient.startswith(("RabbitMQ connection lost", "no confirm")):
+        # Not "no confirm": confirms that never come on a live connection are the broker's
+        # failure (a quorum queue or the ledger without a majority), like a nack: an outage
+        # of any length must not run rows out of attempts.
+        if not transient.startswith("RabbitMQ connection lost"):
             return {}
         self._lost_streak += 1
         if self._lost_streak < LOST_STREAK_LIMIT:

@@ -1160,6 +1160,20 @@ def test_lost_connections_in_a_row_count_an_attempt_for_every_unconfirmed_row(
     assert {m.row_id for m in rig.publisher.confirmed} == set(ids) - {poison}
 
 
+def test_confirm_timeouts_in_a_row_never_count_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker without a majority neither confirms nor nacks: however long that lasts, no
+    row runs out of attempts."""
+    rig = make_rig(monkeypatch, batch_size=5, max_attempts=2)
+    ids = rig.store.add_many(5)
+    rig.publisher.script(ids[2], Outcome.TIMEOUT, times=8)
+
+    for _ in range(12):
+        rig.step()
+
+    assert rig.store.dead_letter == {}
+    assert all(r.attempts == 0 for r in rig.store.rows.values())
+
+
 def test_a_committed_batch_resets_the_lost_connection_streak(rig: Rig) -> None:
     flaky = rig.store.add()
     rig.publisher.script(flaky, Outcome.LOSE_CONNECTION, times=2)

@@ -19,7 +19,7 @@ import pika
 import pika.exceptions
 import pika.spec
 
-from relay import amqp
+from relay import amqp, pika_private
 from relay.errors import BatchFailed, LedgerMissing, TransientError
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class AmqpPublisher:
         try:
             amqp.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age)
             blocking = self._conn.channel()
-            self._channel = blocking._impl  # the async core: many confirms in flight
+            self._channel = pika_private.async_channel(blocking)  # the async core: many confirms in flight
             selected: list[bool] = []
             self._channel.confirm_delivery(
                 ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
@@ -153,7 +153,7 @@ class AmqpPublisher:
         conn = self._conn
         if conn is None:
             return DEFAULT_FRAME_MAX
-        return int(getattr(conn._impl.params, "frame_max", DEFAULT_FRAME_MAX))
+        return pika_private.frame_max(conn, DEFAULT_FRAME_MAX)
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""

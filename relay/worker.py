@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -11,21 +10,21 @@ from typing import Protocol
 import psycopg
 import tenacity
 
-from relay import ledger
+from relay import backoff, ledger
 from relay.config import RelaySettings
 from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, LedgerMissing, TransientError, describe
 from relay.gid import Gid, lock_class, new_instance_id
 from relay.health import Health, stall_threshold
+from relay.loop import Loop
 from relay.messages import to_message
 from relay.metrics import RelayMetrics
 from relay.publisher import Message, PublishResult
+from relay.signals import Shutdown, Stop
 from relay.store import OutboxRow, is_connection_error
 
 log = logging.getLogger("relay")
 
-# Backoff between reconnection attempts; tests shrink these.
-RECONNECT_INITIAL_DELAY = 0.2
 # Batches in a row that lost the broker connection (or their confirms) before every row of the
 # batch counts an attempt: a row that kills the connection in a way we cannot tell apart from
 # the network must not be retried forever, and retried alone it names itself.
@@ -89,8 +88,11 @@ def failure_reason(error: str) -> str:
     return "connection_lost"
 
 
-class Relay:
+class Relay(Loop):
     """Moves outbox rows to RabbitMQ, one prepared batch at a time."""
+
+    program = "relay"
+    faults = (TransientError, psycopg.Error)
 
     def __init__(
         self,
@@ -101,16 +103,17 @@ class Relay:
         metrics: RelayMetrics | None = None,
         health: Health | None = None,
         fault: Callable[[str], None] = lambda _point: None,
-        should_stop: Callable[[], bool] = lambda: False,
+        shutdown: Stop | None = None,
         instance: int | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.publisher = publisher
         self.metrics = metrics or RelayMetrics()
-        self.health = health or relay_health(settings)
+        super().__init__(log=log, health=health or relay_health(settings),
+                         last_loop=self.metrics.last_loop, shutdown=shutdown or Shutdown(),
+                         max_delay=settings.reconnect_max_delay)
         self.fault = fault
-        self.should_stop = should_stop
         self.instance = new_instance_id() if instance is None else instance
         self.lock_class = lock_class(settings.gid_prefix)
         self._sequence = 0
@@ -120,7 +123,7 @@ class Relay:
         self._unfinished_size = 0
         self._next_stats = 0.0
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
-        self._fault_streak = 0
+        self._idle = settings.poll_min_interval  # the next empty poll's wait
         # The next batch, claimed while the broker confirmed the last one: its claim
         # transaction is open (not prepared) on the store's claim session.
         self._ahead: list[OutboxRow] | None = None
@@ -227,7 +230,7 @@ class Relay:
         crash rolls it back with the session, so at most one batch is ever in doubt and only
         that batch can be duplicated. A failure is raised once this batch is finished.
         """
-        if self.should_stop():
+        if self.shutdown.requested:
             return
         # Both batches are in memory at once: the next one gets what this one left of the
         # byte budget (OUTBOX_BATCH_MAX_BYTES), and none if it used it all.
@@ -349,44 +352,37 @@ class Relay:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Relay until asked to stop; transient faults never end the loop."""
-        log.info("relay started", extra={"action": "relay_started", "instance": self.instance_name})
-        idle = self.settings.poll_min_interval
-        while not self.should_stop():
-            self.metrics.last_loop.set_to_current_time()
-            self.health.beat()
-            try:
-                self._ensure_connected()
-                if self.should_stop():
-                    break
-                claimed = self.run_batch()
-                self._refresh_stats()
-                self._fault_streak = 0
-            except (TransientError, psycopg.Error) as exc:
-                self._connection_fault(exc)
-                continue
-            if claimed >= self.settings.batch_size or self._ahead:
-                idle = self.settings.poll_min_interval
-                continue
-            if claimed:
-                idle = self.settings.poll_min_interval
-            else:
-                # Doubling from zero stays zero: start empty-poll waits at 1 ms at least.
-                idle = min(max(idle * 2, self.settings.poll_min_interval, 0.001),
-                           self.settings.poll_max_interval)
-            self.publisher.idle(idle)
-        self.health.stopping()
-        self.close()
-        log.info("relay stopped", extra={"action": "relay_stopped", "instance": self.instance_name})
+    def log_fields(self) -> dict[str, object]:
+        return {"instance": self.instance_name}
+
+    def turn(self) -> float | None:
+        """Connect if need be, relay one batch; pause as long as the outbox looks empty."""
+        self._ensure_connected()
+        if self.shutdown.requested:
+            return None
+        claimed = self.run_batch()
+        self._refresh_stats()
+        s = self.settings
+        if claimed >= s.batch_size or self._ahead:
+            self._idle = s.poll_min_interval
+            return None  # more rows are waiting
+        if claimed:
+            self._idle = s.poll_min_interval
+        else:
+            # Doubling from zero stays zero: start empty-poll waits at 1 ms at least.
+            self._idle = min(max(self._idle * 2, s.poll_min_interval, 0.001), s.poll_max_interval)
+        return self._idle
+
+    def pause(self, seconds: float) -> None:
+        self.publisher.idle(seconds)  # answers the broker's heartbeats meanwhile
 
     def close(self) -> None:
         self._ahead = None  # closing the claim session rolls its claim back
         self.store.close()
         self.publisher.close()
 
-    def _connection_fault(self, exc: BaseException) -> None:
-        """A server failed us mid-loop: reset what is unusable, back off, try again."""
+    def on_fault(self, exc: BaseException, failures: int = 1) -> None:
+        """A server failed us mid-loop: reset what is unusable (the loop backs off next)."""
         # Closed or reset below: a claim made ahead is rolled back with its session.
         self._ahead, self._ahead_error = None, None
         if is_connection_error(exc):
@@ -403,10 +399,6 @@ class Relay:
             log.error("database error: %s", describe(exc), extra={"action": "database_error"})
         else:
             log.debug("connection fault: %s", exc, extra={"action": "connection_fault"})
-        self._fault_streak += 1
-        delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(self._fault_streak - 1, 16),
-                    self.settings.reconnect_max_delay)
-        self._sleep(delay * random.uniform(0.5, 1.0))
 
     def _ensure_connected(self) -> None:
         for server, client, connect in (
@@ -431,18 +423,12 @@ class Relay:
 
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            # Full jitter: relays restarted together do not reconnect in lockstep.
-            wait=tenacity.wait_random_exponential(
-                multiplier=RECONNECT_INITIAL_DELAY, max=self.settings.reconnect_max_delay),
-            stop=lambda _state: self.should_stop(),
-            sleep=self._sleep,
+            wait=backoff.wait(self.settings.reconnect_max_delay),
+            stop=lambda _state: self.shutdown.requested,
+            sleep=self.sleep,
             before_sleep=before_sleep,
             reraise=True,
         )
-
-    def _sleep(self, seconds: float) -> None:
-        """Back off (tenacity's sleep too); the wait beats the liveness probe."""
-        self.health.wait(seconds, self.should_stop)
 
     def _mark_down(self, server: str) -> None:
         self.metrics.connected.labels(server).set(0)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,13 +30,14 @@ from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, TransientError, describe
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
+from relay.loop import Loop
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
+from relay.signals import Shutdown, Stop
 
 log = logging.getLogger("resolver")
 
-RECONNECT_INITIAL_DELAY = 0.2
 # In-doubt batches decided per ledger read (oldest first): bounds what one read must find.
 LEDGER_WINDOW = 256
 # Rejected ledger records remembered so each is logged and counted once.
@@ -59,19 +58,23 @@ def resolver_health(settings: ResolverSettings) -> Health:
                                     settings.reconnect_max_delay, settings.interval))
 
 
-class Resolver:
+class Resolver(Loop):
+    program = "resolver"
+    faults = SCAN_ERRORS
+
     def __init__(
         self,
         settings: ResolverSettings,
         *,
         metrics: ResolverMetrics | None = None,
         health: Health | None = None,
-        should_stop: Callable[[], bool] = lambda: False,
+        shutdown: Stop | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ResolverMetrics()
-        self.health = health or resolver_health(settings)
-        self.should_stop = should_stop
+        super().__init__(log=log, health=health or resolver_health(settings),
+                         last_loop=self.metrics.last_loop, shutdown=shutdown or Shutdown(),
+                         max_delay=settings.reconnect_max_delay)
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
         self._role = store.SessionRole("", superuser=False)
@@ -280,40 +283,25 @@ class Resolver:
             self._conn = None
         self._amqp.close()
 
-    def run(self) -> None:
-        log.info("resolver started", extra={"action": "resolver_started"})
-        failures = 0
-        while not self.should_stop():
-            self.metrics.last_loop.set_to_current_time()
-            self.health.beat()
-            try:
-                if not self._amqp.connected:
-                    self._connect_amqp()
-                self.resolve_once()
-                self.metrics.scans.inc()
-                self.metrics.last_scan.set_to_current_time()
-                if failures:
-                    log.info("resolver recovered", extra={"action": "resolver_recovered"})
-                failures = 0
-                delay = self.settings.interval
-            except SCAN_ERRORS as exc:
-                self.metrics.scan_errors.inc()
-                if failures == 0:
-                    log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
-                failures += 1
-                # Name the server that failed the scan; close() then drops both connections.
-                if isinstance(exc, psycopg.Error):
-                    self.health.set_check("postgresql", f"scan failed: {exc}")
-                elif not self._amqp.connected:
-                    self.health.set_check("rabbitmq", f"scan failed: {exc}")
-                self.close()
-                delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(failures, 16),
-                            self.settings.reconnect_max_delay) * random.uniform(0.5, 1.0)
-            self._sleep(delay)
-        self.health.stopping()
-        self.close()
-        log.info("resolver stopped", extra={"action": "resolver_stopped"})
+    def turn(self) -> float:
+        """One scan; the next comes after OUTBOX_RESOLVER_INTERVAL."""
+        if not self._amqp.connected:
+            self._connect_amqp()
+        self.resolve_once()
+        self.metrics.scans.inc()
+        self.metrics.last_scan.set_to_current_time()
+        return self.settings.interval
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait for the next scan (or to retry); the wait beats the liveness probe."""
-        self.health.wait(seconds, self.should_stop)
+    def on_fault(self, exc: BaseException, failures: int) -> None:
+        self.metrics.scan_errors.inc()
+        if failures == 1:
+            log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
+        # Name the server that failed the scan; close() then drops both connections.
+        if isinstance(exc, psycopg.Error):
+            self.health.set_check("postgresql", f"scan failed: {exc}")
+        elif not self._amqp.connected:
+            self.health.set_check("rabbitmq", f"scan failed: {exc}")
+        self.close()
+
+    def on_recovered(self) -> None:
+        log.info("resolver recovered", extra={"action": "resolver_recovered"})

@@ -23,7 +23,7 @@ from psycopg import sql
 
 from devenv import checker
 from devenv.servers import PostgresServer, RabbitServer
-from relay import worker
+from relay import backoff
 from relay.config import RelaySettings, ResolverSettings
 from relay.migrate import migrate
 from relay.queries import Tables
@@ -33,7 +33,7 @@ pytest_plugins = ["tests.fix_proxy"]
 ROOT = Path(__file__).resolve().parent.parent
 
 # Reconnect backoff shrunk for tests (psycopg_pool style).
-worker.RECONNECT_INITIAL_DELAY = 0.05
+backoff.INITIAL_DELAY = 0.05
 
 
 @dataclass

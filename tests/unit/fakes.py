@@ -472,3 +472,20 @@ class FakePublisher(_Scripted):
         self.records.append(body)
         self.ledger.append(LedgerRecord(gid, body["count"], body["relay"], body["xid"]))
         self._raise(fault)
+
+
+class StopWhen:
+    """A shutdown (``relay.signals.Stop``) that stops once ``predicate()`` is true and records
+    the loop's waits instead of sleeping them."""
+
+    def __init__(self, predicate: Callable[[], bool] = lambda: False) -> None:
+        self.predicate = predicate
+        self.waits: list[float] = []
+
+    @property
+    def requested(self) -> bool:
+        return self.predicate()
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return self.requested

@@ -173,11 +173,14 @@ def code_actions() -> set[str]:
     for path in [*ROOT.joinpath("relay").glob("*.py"), *ROOT.joinpath("resolver").glob("*.py")]:
         text = path.read_text("utf-8")
         found |= set(re.findall(r'"action": "([a-z_]+)"', text))
-        # The two f-string families, one action per outcome.
+        # The f-string families, one action per outcome.
         if 'f"batch_{outcome}"' in text:
             found |= {"batch_committed", "batch_rolled_back"}
         if 'f"resolved_{outcome}"' in text:
             found |= {"resolved_committed", "resolved_rolled_back", "resolved_already_finished"}
+        if 'f"{self.program}_started"' in text:  # relay/loop.py, for both programs
+            found |= {f"{program}_{event}" for program in ("relay", "resolver")
+                      for event in ("started", "stopped")}
     return found
 
 

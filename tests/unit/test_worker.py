@@ -23,6 +23,7 @@ from tests.unit.fakes import (
     LedgerRecord,
     Outcome,
     RawHeaders,
+    StopWhen,
 )
 
 INSTANCE = 0xABC
@@ -39,7 +40,12 @@ class Rig:
     publisher: FakePublisher
     journal: list[str]
     faults: list[str] = field(default_factory=list)
-    sleeps: list[float] = field(default_factory=list)
+    shutdown: StopWhen = field(default_factory=StopWhen)
+
+    @property
+    def sleeps(self) -> list[float]:
+        """The loop's backoff waits."""
+        return self.shutdown.waits
 
     def step(self) -> int:
         """One turn of the loop without its error handling: reconnect, then one batch."""
@@ -85,10 +91,10 @@ def make_rig(monkeypatch: pytest.MonkeyPatch, *, missing: set[str] | None = None
         if point == crash_at:
             raise Crash(point)
 
+    shutdown = StopWhen()
     relay = Relay(RelaySettings(**values), store, publisher, metrics=RelayMetrics(), fault=fault,
-                  instance=INSTANCE)
-    rig = Rig(relay, store, publisher, journal, faults)
-    monkeypatch.setattr(relay, "_sleep", rig.sleeps.append)
+                  shutdown=shutdown, instance=INSTANCE)
+    rig = Rig(relay, store, publisher, journal, faults, shutdown)
     if connect:
         relay._ensure_connected()
         journal.clear()
@@ -709,7 +715,7 @@ def test_prepare_refused_by_the_server_leaves_nothing_to_finish(rig: Rig) -> Non
         rig.relay.run_batch()
 
     assert rig.relay._unfinished is None
-    rig.relay._connection_fault(psycopg.errors.OutOfMemory("again"))
+    rig.relay.on_fault(psycopg.errors.OutOfMemory("again"))
     rig.relay._ensure_connected()
 
     assert rig.store.called("finish") == []
@@ -803,7 +809,7 @@ def test_failed_and_dead_lettered_rows_are_logged_with_their_action(
 
 def run_loop(rig: Rig, claims: int) -> None:
     """Run ``Relay.run`` until the store has seen ``claims`` claims."""
-    rig.relay.should_stop = lambda: len(rig.store.called("claim")) >= claims
+    rig.shutdown.predicate = lambda: len(rig.store.called("claim")) >= claims
     rig.relay.run()
 
 
@@ -939,8 +945,8 @@ def test_reconnect_retries_a_failing_connect(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("relay.worker.RECONNECT_INITIAL_DELAY", 1.0)
-    monkeypatch.setattr("relay.worker.random.uniform", lambda _a, _b: 1.0)
+    monkeypatch.setattr("relay.backoff.INITIAL_DELAY", 1.0)
+    monkeypatch.setattr("random.uniform", lambda _low, high: high)  # the top of full jitter
     rig = make_rig(monkeypatch, reconnect_max_delay=3.0)
     for _ in range(4):
         rig.store.fail("claim", psycopg.OperationalError("connection lost"))
@@ -1022,7 +1028,7 @@ def test_a_failed_batch_keeps_the_claim_made_ahead(monkeypatch: pytest.MonkeyPat
 def test_no_claim_ahead_once_asked_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)
     rig.store.add_many(4)
-    rig.relay.should_stop = lambda: True
+    rig.shutdown.predicate = lambda: True
 
     rig.relay.run_batch()
 
@@ -1036,7 +1042,7 @@ def test_a_connection_fault_forgets_the_claim_made_ahead(monkeypatch: pytest.Mon
     rig.relay.run_batch()
     assert rig.relay._ahead
 
-    rig.relay._connection_fault(psycopg.OperationalError("server closed the connection"))
+    rig.relay.on_fault(psycopg.OperationalError("server closed the connection"))
 
     assert rig.relay._ahead is None
     assert rig.store.open is None  # closed with the session: the rows are free again

@@ -246,19 +246,6 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***``: the only form a URL is ever shown in.
-
-    Split by hand, not with urlsplit: libpq accepts an unencoded ``#`` or ``?`` in a password,
-    where urlsplit would end the host part early and miss the password.
-    """
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
-
-
 # -- the settings, each declared once --------------------------------------------------------
 # A new setting: one Option here, then one ``name: type = OPTION.field()`` line in each settings
 # class that reads it. The option lists, --help and docs/configuration.md (``./dev docs``)

@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pika
@@ -21,6 +20,7 @@ import pika.spec
 
 from relay import amqp, pika_private
 from relay.errors import BatchFailed, LedgerMissing, TransientError
+from relay.model import Failure, Message, PublishResult, Reason
 
 log = logging.getLogger(__name__)
 
@@ -33,39 +33,6 @@ DEFAULT_FRAME_MAX = 131072
 # frame_max, a malformed one), not a shutdown (320) or its own failure (541): the messages in
 # flight are suspects, like those of a closed channel, and an attempt is counted for them.
 REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
-
-
-@dataclass(frozen=True)
-class Message:
-    """One outbox row, ready to publish."""
-
-    row_id: int
-    message_id: str
-    exchange: str
-    routing_key: str
-    body: bytes
-    properties: Any  # pika.BasicProperties
-
-
-@dataclass
-class PublishResult:
-    """What the broker said about each message of a batch."""
-
-    confirmed: set[int] = field(default_factory=set)
-    # Rows the broker refused, each for its own reason (returned, nacked, no such exchange).
-    failed: dict[int, str] = field(default_factory=dict)
-    # Rows unconfirmed when the broker closed the channel: one of them caused it, not known which.
-    suspect: dict[int, str] = field(default_factory=dict)
-    # Set when the connection failed or timed out: the unconfirmed rows' fate is unknown.
-    transient: str | None = None
-
-    def complete(self, total: int) -> bool:
-        return (
-            len(self.confirmed) == total
-            and not self.failed
-            and not self.suspect
-            and self.transient is None
-        )
 
 
 class AmqpPublisher:
@@ -97,7 +64,7 @@ class AmqpPublisher:
         self._pending: dict[int, int] = {}  # delivery tag -> row id
         self._by_message_id: dict[str, int] = {}
         self._result = PublishResult()
-        self._closed_reason: str | None = None
+        self._closed_reason: Failure | None = None
         self._closed_code: int | None = None
 
     # -- connection -------------------------------------------------------------------------
@@ -170,10 +137,10 @@ class AmqpPublisher:
 
     # -- step 3 -------------------------------------------------------------------------------
 
-    def missing_exchanges(self, names: set[str]) -> dict[str, str]:
+    def missing_exchanges(self, names: set[str]) -> dict[str, Failure]:
         """Exchanges that do not exist, checked passively (a publish to one would close the channel)."""
         now = time.monotonic()
-        missing: dict[str, str] = {}
+        missing: dict[str, Failure] = {}
         for name in names:
             if self._known_exchanges.get(name, 0.0) > now:
                 continue
@@ -184,7 +151,8 @@ class AmqpPublisher:
                 self._known_exchanges[name] = now + EXCHANGE_CACHE_SECONDS
             except pika.exceptions.ChannelClosedByBroker as exc:
                 self._probe = None
-                missing[name] = f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"
+                missing[name] = Failure(Reason.EXCHANGE_NOT_FOUND, (
+                    f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"))
             except amqp.CONNECTION_ERRORS as exc:
                 raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
         return missing
@@ -201,7 +169,7 @@ class AmqpPublisher:
         self._by_message_id = {m.message_id: m.row_id for m in messages}
         if not self.connected:
             # Never blame rows for a channel that was already gone: roll back, reconnect.
-            self._result.transient = "RabbitMQ channel not open"
+            self._result.transient = Failure(Reason.CONNECTION_LOST, "RabbitMQ channel not open")
             return self._result
         half = len(messages) // 2
         try:
@@ -216,13 +184,14 @@ class AmqpPublisher:
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if exc.reply_code in REFUSED_FRAME_CODES:
                 # The broker refused something we sent: one of the unconfirmed rows.
-                self._closed_reason = (f"connection closed by the broker: {exc.reply_code} "
-                                       f"{exc.reply_text}")
+                self._closed_reason = Failure(
+                    Reason.CONNECTION_CLOSED,
+                    f"connection closed by the broker: {exc.reply_code} {exc.reply_text}")
                 self._closed_code = exc.reply_code
             else:
-                self._result.transient = f"RabbitMQ connection lost: {exc!r}"
+                self._result.transient = _lost(f"RabbitMQ connection lost: {exc!r}")
         except amqp.CONNECTION_ERRORS as exc:
-            self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
+            self._result.transient = _lost(f"RabbitMQ connection lost: {type(exc).__name__}")
         self._settle_unconfirmed()
         return self._result
 
@@ -241,7 +210,8 @@ class AmqpPublisher:
                     # pika marshals a message's frames before writing any: nothing was sent,
                     # no delivery tag used. A row whose content pika cannot encode (which
                     # relay.messages should have refused) fails alone; the relay goes on.
-                    self._result.failed[m.row_id] = f"cannot be encoded: {exc!r}"[:500]
+                    self._result.failed[m.row_id] = Failure(
+                        Reason.UNENCODABLE, f"cannot be encoded: {exc!r}"[:500])
                     continue
                 self._pending[self._next_tag] = m.row_id
                 self._next_tag += 1
@@ -253,7 +223,9 @@ class AmqpPublisher:
             # A channel with confirms outstanding cannot be trusted again, nor a broker that
             # does not answer: drop the socket without waiting for a close handshake.
             self.close(handshake=False)
-            self._result.transient = f"no confirm within {self._confirm_timeout:g} s"
+            self._result.transient = Failure(
+                Reason.CONFIRM_TIMEOUT, f"no confirm within {self._confirm_timeout:g} s",
+                in_flight_lost=True)
 
     def _settle_unconfirmed(self) -> None:
         """Rows still pending are suspect (channel closed by the broker) or unknown (transient)."""
@@ -263,7 +235,7 @@ class AmqpPublisher:
             for row_id in unconfirmed:
                 self._result.suspect[row_id] = self._closed_reason
         elif unconfirmed and self._result.transient is None:
-            self._result.transient = "unconfirmed messages"
+            self._result.transient = Failure(Reason.CONNECTION_LOST, "unconfirmed messages")
         self._pending.clear()
 
     # -- step 4 -------------------------------------------------------------------------------
@@ -281,7 +253,7 @@ class AmqpPublisher:
         result = self.publish_batch([Message(0, message_id, stream, stream, body, properties)])
         if not result.complete(1):
             reason = result.transient or next(iter({**result.failed, **result.suspect}.values()))
-            if reason.startswith("unroutable") or (result.suspect and self._closed_code == 404):
+            if reason.reason is Reason.UNROUTABLE or (result.suspect and self._closed_code == 404):
                 # No binding (the stream was deleted) or no exchange: nothing records batches.
                 raise LedgerMissing(f"ledger stream {stream!r} is gone ({reason})")
             raise BatchFailed(f"ledger record not confirmed: {reason}")
@@ -306,20 +278,20 @@ class AmqpPublisher:
         for tag in tags:
             row_id = self._pending.pop(tag)
             if nacked:
-                self._result.failed.setdefault(row_id, "nacked by the broker")
+                self._result.failed.setdefault(row_id, Failure(Reason.NACKED, "nacked by the broker"))
             elif row_id not in self._result.failed:
                 self._result.confirmed.add(row_id)
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         row_id = self._by_message_id.get(properties.message_id)
         if row_id is not None:
-            self._result.failed[row_id] = (
+            self._result.failed[row_id] = Failure(Reason.UNROUTABLE, (
                 f"unroutable: {method.reply_code} {method.reply_text} "
-                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"
-            )
+                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"))
 
     def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
-        self._closed_reason = f"channel closed by the broker: {reason}"
+        self._closed_reason = Failure(Reason.CHANNEL_CLOSED,
+                                      f"channel closed by the broker: {reason}")
         if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             self._closed_code = reason.reply_code
             if reason.reply_code == 404:
@@ -330,3 +302,8 @@ class AmqpPublisher:
 
     def _pump_until(self, done: Callable[[], bool], timeout: float) -> None:
         amqp.pump(self._conn, done, timeout)
+
+
+def _lost(detail: str) -> Failure:
+    """The connection went with the batch in flight: its unconfirmed messages' fate is unknown."""
+    return Failure(Reason.CONNECTION_LOST, detail, in_flight_lost=True)

@@ -32,6 +32,7 @@ from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
 from relay.loop import Loop
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
+from relay.model import Decision, PreparedXact, Server
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
 from relay.signals import Shutdown, Stop
@@ -53,7 +54,7 @@ def resolver_health(settings: ResolverSettings) -> Health:
     waits up to the ledger read timeout for the marker's confirm, and a ledger read beats the
     probe whenever it makes progress, and fails after that timeout without any."""
     return Health(
-        ("postgresql", "rabbitmq"),
+        tuple(Server),
         stall_after=stall_threshold(2 * settings.ledger_read_timeout, settings.connect_timeout,
                                     settings.reconnect_max_delay, settings.interval))
 
@@ -92,7 +93,7 @@ class Resolver(Loop):
 
     # -- one pass ---------------------------------------------------------------------------
 
-    def resolve_once(self) -> dict[str, str]:
+    def resolve_once(self) -> dict[str, Decision]:
         """One scan; returns {gid: outcome} for every transaction finished in it."""
         conn = self._db()
         prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
@@ -103,7 +104,7 @@ class Resolver(Loop):
         locked: list[int] = []
         try:
             candidates = self._candidates(conn, prepared, locked)
-            outcomes: dict[str, str] = {}
+            outcomes: dict[str, Decision] = {}
             # Oldest first (prepared_of_prefix is ordered by prepared time), a window at a time.
             for start in range(0, len(candidates), LEDGER_WINDOW):
                 window = candidates[start:start + LEDGER_WINDOW]
@@ -114,25 +115,25 @@ class Resolver(Loop):
                 store.instance_unlock(conn, self.lock_class, instance)
 
     def _resolve(self, conn: psycopg.Connection[Any],
-                 candidates: list[store.PreparedXact]) -> dict[str, str]:
+                 candidates: list[PreparedXact]) -> dict[str, Decision]:
         """Read the ledger for ``candidates`` and finish each of them."""
         since = min(x.prepared for x in candidates) - timedelta(
             seconds=self.settings.ledger_margin)
         committed = self._ledger_gids(since, {
             x.gid: ledger.Expected(x.xid, x.database) for x in candidates})
-        outcomes = {}
+        outcomes: dict[str, Decision] = {}
         for xact in candidates:
             commit = xact.gid in committed
             finished = store.finish_prepared(conn, xact.gid, commit=commit)
-            outcome = ("committed" if commit else "rolled_back") if finished else (
-                "already_finished")
+            outcome = (Decision.COMMITTED if commit else Decision.ROLLED_BACK) if finished else (
+                Decision.ALREADY_FINISHED)
             outcomes[xact.gid] = outcome
             self.metrics.decisions.labels(outcome).inc()
             extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
                                         "age_seconds": round(xact.age_seconds, 3)}
             if commit:  # the ledger record says how many messages the batch published
                 extra["batch_size"] = committed[xact.gid]
-            log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
+            log.info("in-doubt batch %s", outcome.value.replace("_", " "), extra=extra)
         return outcomes
 
     def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
@@ -171,8 +172,8 @@ class Resolver(Loop):
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
 
-    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
-                    locked: list[int]) -> list[store.PreparedXact]:
+    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[PreparedXact],
+                    locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit."""
         alive: set[int] = set()
         candidates = []
@@ -247,7 +248,7 @@ class Resolver(Loop):
                                            timeout=self.settings.connect_timeout,
                                            application_name="outbox-resolver")
             except TransientError as exc:
-                self.health.set_check("postgresql", str(exc))
+                self.health.set_check(Server.POSTGRESQL, str(exc))
                 raise
             try:
                 store.check_server(self._conn)
@@ -257,18 +258,18 @@ class Resolver(Loop):
                 self._conn.close()
                 self._conn = None
                 raise
-            self._mark_up("postgresql")
+            self._mark_up(Server.POSTGRESQL)
         return self._conn
 
     def _connect_amqp(self) -> None:
         try:
             self._amqp.connect()
         except TransientError as exc:
-            self.health.set_check("rabbitmq", str(exc))
+            self.health.set_check(Server.RABBITMQ, str(exc))
             raise
-        self._mark_up("rabbitmq")
+        self._mark_up(Server.RABBITMQ)
 
-    def _mark_up(self, server: str) -> None:
+    def _mark_up(self, server: Server) -> None:
         self.health.set_check(server, None)
         self._connections.up(server)
 
@@ -298,9 +299,9 @@ class Resolver(Loop):
             log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
         # Name the server that failed the scan; close() then drops both connections.
         if isinstance(exc, psycopg.Error):
-            self.health.set_check("postgresql", f"scan failed: {exc}")
+            self.health.set_check(Server.POSTGRESQL, f"scan failed: {exc}")
         elif not self._amqp.connected:
-            self.health.set_check("rabbitmq", f"scan failed: {exc}")
+            self.health.set_check(Server.RABBITMQ, f"scan failed: {exc}")
         self.close()
 
     def on_recovered(self) -> None:

@@ -314,7 +314,7 @@ def test_lag_metric_survives_every_created_at(env: Env) -> None:
                 " VALUES (%s, 'k', '{{}}', %s::timestamptz, 'infinity')").format(
                 Tables(env.table).outbox), (f"t{n}", value))
     relay_ = make_relay(env)
-    relay_._ensure_connected()
+    relay_.ensure_connected()
     try:
         backlog, lag = relay_.store.stats()
     finally:

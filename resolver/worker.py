@@ -12,6 +12,9 @@ A record counts only if it is signed with the ledger key (which only the relays'
 and names the prepared transaction's own xid and database (see relay/ledger.py). Candidates are
 decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
 reading; a read fails only when the ledger stops delivering, however long it takes.
+
+Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_INTERVAL for a
+prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from relay.health import Health, stall_threshold
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
+from resolver.watch import relay_gone
 
 log = logging.getLogger("resolver")
 
@@ -309,11 +313,25 @@ class Resolver:
                 self.close()
                 delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(failures, 16),
                             self.settings.reconnect_max_delay) * random.uniform(0.5, 1.0)
-            self._sleep(delay)
+            self._sleep(delay, watch=failures == 0)
         self.health.stopping()
         self.close()
         log.info("resolver stopped", extra={"action": "resolver_stopped"})
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait for the next scan (or to retry); the wait beats the liveness probe."""
-        self.health.wait(seconds, self.should_stop)
+    def _sleep(self, seconds: float, *, watch: bool = False) -> None:
+        """Wait for the next scan (or to retry); the wait beats the liveness probe. With
+        ``watch``, it ends as soon as a relay dies holding a prepared batch (resolver/watch.py):
+        takeover in a fraction of a second, not at the next scan."""
+        interval, conn = self.settings.watch_interval, self._conn
+        if not watch or interval <= 0 or conn is None:
+            self.health.wait(seconds, self.should_stop)
+            return
+        deadline = time.monotonic() + seconds
+        while not self.should_stop() and time.monotonic() < deadline:
+            self.health.wait(min(interval, max(0.0, deadline - time.monotonic())),
+                             self.should_stop)
+            try:
+                if relay_gone(conn, self.settings.gid_prefix, self.lock_class, self._not_ours):
+                    return
+            except psycopg.Error:
+                return  # the scan that follows meets the same error and handles it

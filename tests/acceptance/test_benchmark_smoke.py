@@ -49,8 +49,12 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert [t["met"] for t in figures["targets"]].count(None) == 0
     assert len(figures["targets"]) == len(report.TARGETS)
     assert "recovery after SIGKILL" in result.stdout
+    # The profile's shape, not its shares: a smoke run lasts a second or two, and py-spy's
+    # sampling may well catch no confirm wait at all in it (issue 9, item 8).
     profiled = figures["profile_relay_1_percent"]
-    assert profiled["samples"] > 0 and 0 < profiled["3 wait for the confirms"] <= 100
+    assert isinstance(profiled["samples"], int) and profiled["samples"] >= 0
+    shares = [share for label, share in profiled.items() if label != "samples"]
+    assert "3 wait for the confirms" in profiled and all(0 <= x <= 100 for x in shares)
     assert chart.read_bytes().startswith(PNG_MAGIC)
 
 

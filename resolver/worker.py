@@ -12,6 +12,9 @@ A record counts only if it is signed with the ledger key (which only the relays'
 and names the prepared transaction's own xid and database (see relay/ledger.py). Candidates are
 decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
 reading; a read fails only when the ledger stops delivering, however long it takes.
+
+Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_INTERVAL for a
+prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from relay.model import Decision, PreparedXact, Server
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
 from relay.signals import Shutdown, Stop
+from resolver.watch import relay_gone
 
 log = logging.getLogger("resolver")
 
@@ -306,3 +310,20 @@ class Resolver(Loop):
 
     def on_recovered(self) -> None:
         log.info("resolver recovered", extra={"action": "resolver_recovered"})
+
+    def pause(self, seconds: float) -> None:
+        """Wait for the next scan; the wait ends as soon as a relay dies holding a prepared
+        batch (resolver/watch.py): takeover in a fraction of a second, not at the next scan.
+        Waits to retry after a fault (Loop.sleep) do not watch."""
+        interval, conn = self.settings.watch_interval, self._conn
+        if interval <= 0 or conn is None:
+            self.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not self.shutdown.requested and time.monotonic() < deadline:
+            self.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            try:
+                if relay_gone(conn, self.settings.gid_prefix, self.lock_class, self._not_ours):
+                    return
+            except psycopg.Error:
+                return  # the scan that follows meets the same error and handles it

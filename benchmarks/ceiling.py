@@ -21,7 +21,7 @@ import pika.spec
 from benchmarks import processes
 from benchmarks.cpu import CpuMeter
 from benchmarks.workload import CEILING_BODY, EXCHANGE, ROUTING_PREFIX, Servers, purge_sink
-from relay import amqp
+from relay import amqp, pika_private
 
 
 @dataclass
@@ -41,7 +41,7 @@ class _Publisher:
 
     def __init__(self, amqp_url: str) -> None:
         self.conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
-        self.channel = self.conn.channel()._impl
+        self.channel = pika_private.async_channel(self.conn.channel())
         self.state = {"confirmed": 0, "nacked": 0, "returned": 0, "low_water": 0}
         selected: list[bool] = []
         self.channel.confirm_delivery(ack_nack_callback=self._on_confirm,

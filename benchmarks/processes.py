@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 from benchmarks.cpu import CpuMeter
 from benchmarks.profile import Profiler
 from benchmarks.workload import Servers
+from devenv import launch
 
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is its own
 
@@ -32,16 +31,11 @@ class Program:
 
     def __init__(self, module: str, servers: Servers, logdir: Path, name: str,
                  **settings: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": servers.db_url, "OUTBOX_AMQP_URL": servers.amqp_url,
-                    "OUTBOX_METRICS_PORT": "0", "OUTBOX_LOG_FORMAT": "json",
-                    "PYTHONPATH": str(ROOT)})
-        env.update(settings)
+        env = launch.program_env(servers.db_url, servers.amqp_url,
+                                 **{"OUTBOX_LOG_FORMAT": "json", **settings})
         self.name = name
         self.log_path = logdir / f"{name}.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT,
-                                         stdout=log, stderr=subprocess.STDOUT)
+        self.proc = launch.launch(module, env, self.log_path)
 
     @property
     def pid(self) -> int:

@@ -21,8 +21,9 @@ from benchmarks.processes import run_together, status_kb
 from benchmarks.profile import Profiler
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from relay.config import RelaySettings
+from relay.model import OutboxRow
 from relay.publisher import AmqpPublisher
-from relay.store import OutboxRow, OutboxStore, connect
+from relay.store import OutboxStore, connect
 from relay.worker import Relay
 
 
@@ -89,7 +90,7 @@ def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, do
                               confirm_timeout=settings.confirm_timeout,
                               connect_timeout=settings.connect_timeout)
     relay = Relay(settings, store, publisher)
-    relay._ensure_connected()
+    relay.ensure_connected()
     ready.release()
     go.wait()
     cpu = time.process_time()

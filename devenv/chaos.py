@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -35,12 +34,11 @@ import pika.exceptions
 import psycopg
 from psycopg.types.json import Jsonb
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.proxy import Proxy
 from devenv.servers import PostgresServer, RabbitServer
 from relay.migrate import migrate
 
-ROOT = Path(__file__).resolve().parent.parent
 EXCHANGE = "chaos.events"
 QUEUE = "chaos.sink"
 LEDGER = "outbox.ledger"
@@ -270,9 +268,7 @@ class Injector:
 
 
 def _spawn(name: str, module: str, env: dict[str, str], logdir: Path) -> subprocess.Popen[bytes]:
-    with open(logdir / f"{name}.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT)
+    return launch.launch(module, env, logdir / f"{name}.log", append=True)  # respawns append
 
 
 def _scalar(url: str, query: str) -> float:
@@ -329,13 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         # Relays and resolver go through proxies the fault loop can cut; the producer does not.
         pg_proxy = stack.enter_context(Proxy.to(pg.url))
         mq_proxy = stack.enter_context(Proxy.to(rabbit.url))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pg_proxy.url(pg.url),
-                    "OUTBOX_AMQP_URL": mq_proxy.url(rabbit.url),
-                    "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
-                    "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
-                    "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-                    "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(ROOT)})
+        env = launch.program_env(
+            pg_proxy.url(pg.url), mq_proxy.url(rabbit.url),
+            OUTBOX_BATCH_SIZE=str(args.batch_size), OUTBOX_CONFIRM_TIMEOUT="5",
+            OUTBOX_RECONNECT_MAX_DELAY="2", OUTBOX_MAX_MESSAGE_BYTES=str(MAX_MESSAGE_BYTES),
+            OUTBOX_RESOLVER_INTERVAL="1")
         names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
         procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
 

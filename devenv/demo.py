@@ -19,11 +19,10 @@ from typing import Any
 import pika
 import psycopg
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
 from relay.migrate import migrate
 
-ROOT = Path(__file__).resolve().parent.parent
 EXCHANGE = "demo.events"
 QUEUE = "demo.sink"
 
@@ -35,9 +34,7 @@ def _count(url: str, query: str) -> int:
 
 
 def _spawn(name: str, module: str, env: dict[str, str], logdir: Path) -> subprocess.Popen[bytes]:
-    with open(logdir / f"{name}.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT)
+    return launch.launch(module, env, logdir / f"{name}.log")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +86,7 @@ def run(args: argparse.Namespace, db_url: str, amqp_url: str, logdir: Path,
                                          routing_key="order.created",
                                          prefix=f"demo{int(time.time())}")
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update({"OUTBOX_DATABASE_URL": db_url, "OUTBOX_AMQP_URL": amqp_url,
-                "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
-                "PYTHONPATH": str(ROOT)})
+    env = launch.program_env(db_url, amqp_url, OUTBOX_BATCH_SIZE=str(args.batch_size))
     started = time.monotonic()
     # Relay 1 kills itself after its 5th batch is confirmed and before the ledger record:
     # the worst moment, when the broker has the messages and PostgreSQL has not committed.

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,11 +23,10 @@ from typing import Any
 import pika
 import psycopg
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
 from relay.migrate import migrate
 
-ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 EXCHANGE = "memory.events"
 QUEUE = "memory.sink"
@@ -63,15 +60,10 @@ def measure(*, rows: int, row_mb: float, oversized: int, oversized_mb: float, sm
         channel.queue_declare(QUEUE, durable=True)
         channel.queue_bind(QUEUE, EXCHANGE, routing_key="#")
         conn.close()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pg.url, "OUTBOX_AMQP_URL": rabbit.url,
-                    "OUTBOX_METRICS_PORT": "0", "OUTBOX_CONFIRM_TIMEOUT": "120",
-                    "OUTBOX_BATCH_MAX_BYTES": str(int(budget_mb * MIB)),
-                    "OUTBOX_MAX_MESSAGE_BYTES": str(int(max_message_mb * MIB)),
-                    "PYTHONPATH": str(ROOT)})
-        with open(logdir / "relay.log", "wb") as log:
-            relay = subprocess.Popen([sys.executable, "-m", "relay"], env=env, cwd=ROOT,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        env = launch.program_env(pg.url, rabbit.url, OUTBOX_CONFIRM_TIMEOUT="120",
+                                 OUTBOX_BATCH_MAX_BYTES=str(int(budget_mb * MIB)),
+                                 OUTBOX_MAX_MESSAGE_BYTES=str(int(max_message_mb * MIB)))
+        relay = launch.launch("relay", env, logdir / "relay.log")
         stack.callback(relay.wait)
         stack.callback(relay.kill)  # callbacks run last in, first out: kill, then wait
         deadline = time.monotonic() + 60

@@ -11,9 +11,8 @@ from typing import Any
 
 import pika
 import pika.exceptions
-from pika.adapters.blocking_connection import _IoloopTimerContext
-from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
+from relay import pika_private
 from relay.config import amqp_urls
 from relay.errors import StartupCheckError, TransientError, first_line
 
@@ -26,7 +25,7 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     pika.exceptions.StreamLostError,
     pika.exceptions.ChannelWrongStateError,
     # A connection attempt that times out (a black-holed broker) raises these, not the above.
-    AMQPConnectorException,
+    pika_private.AMQPConnectorException,
     ConnectionError,
     OSError,
 )
@@ -154,12 +153,11 @@ def pump(conn: Any, done: Callable[[], bool], timeout: float) -> None:
 
     ``process_data_events(time_limit)`` only wakes for BlockingChannel events and would sleep
     through the whole limit while confirms arrive on the asynchronous core, so this drives the
-    same loop with our own terminator (pika < 2 internals, covered by the integration tests).
+    same loop with our own terminator.
     """
     if done():
         return
-    with _IoloopTimerContext(timeout, conn._impl) as timer:
-        conn._flush_output(timer.is_ready, done)
+    pika_private.flush_output(conn, done, timeout)
     # Deliver callbacks the blocking layer queued meanwhile (consumer messages, timers).
     conn.process_data_events(time_limit=0)
 
@@ -172,28 +170,19 @@ def close(conn: Any, timeout: float) -> None:
     without a limit, so a black-holed broker would hold the relay (and the prepared batch it
     must roll back) until the black hole ends. ``timeout`` 0 drops the socket at once.
     """
-    impl = conn._impl
+    impl = pika_private.async_connection(conn)
     try:
         if timeout > 0 and impl.is_open:
             impl.close(200, "Normal shutdown")
-            _poll(impl, lambda: bool(impl.is_closed), timeout)
+            pika_private.run_until(impl, lambda: bool(impl.is_closed), timeout)
         if not impl.is_closed:
             # No handshake: abort the transport; pika then reports the stream as lost.
-            impl._terminate_stream(pika.exceptions.StreamLostError("closed by the relay"))
-            _poll(impl, lambda: bool(impl.is_closed), 1.0)
+            pika_private.terminate_stream(
+                impl, pika.exceptions.StreamLostError("closed by the relay"))
+            pika_private.run_until(impl, lambda: bool(impl.is_closed), 1.0)
     except Exception:  # the connection is being dropped: nothing here is worth raising
         log.debug("error while closing a RabbitMQ connection", exc_info=True,
                   extra={"action": "amqp_close_failed"})
-
-
-def _poll(impl: Any, done: Callable[[], bool], timeout: float) -> None:
-    """Run the connection's I/O loop until ``done()`` or ``timeout``, whatever the write buffer
-    holds (BlockingConnection's own loop also waits for it to drain, which a black hole never
-    lets happen)."""
-    with _IoloopTimerContext(timeout, impl) as timer:
-        while not done() and not timer.is_ready():
-            impl.ioloop.poll()
-            impl.ioloop.process_timeouts()
 
 
 # Writes handed to the socket at once: small frames are joined up to COALESCE_BYTES; a large
@@ -213,14 +202,13 @@ def coalesced_writes(conn: Any) -> Iterator[None]:
     and never more than COALESCE_BYTES are copied into one write. Nothing inside the block may
     process I/O (publishing does not).
     """
-    impl = conn._impl
-    emit = impl._adapter_emit_data
+    impl = pika_private.async_connection(conn)
     chunks: list[bytes] = []
     size = 0
 
     def flush() -> None:
         nonlocal size
-        if chunks and impl._transport is not None:
+        if chunks and pika_private.has_transport(impl):
             emit(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         chunks.clear()
         size = 0
@@ -229,7 +217,7 @@ def coalesced_writes(conn: Any) -> Iterator[None]:
         nonlocal size
         if len(data) >= LARGE_FRAME_BYTES:
             flush()
-            if impl._transport is not None:
+            if pika_private.has_transport(impl):
                 emit(data)
             return
         chunks.append(data)
@@ -237,9 +225,9 @@ def coalesced_writes(conn: Any) -> Iterator[None]:
         if size >= COALESCE_BYTES:
             flush()
 
-    impl._adapter_emit_data = collect  # shadows the method for this block only
+    emit = pika_private.emit_hook(impl, collect)  # for this block only
     try:
         yield
     finally:
-        del impl._adapter_emit_data
+        pika_private.unhook_emit(impl)
         flush()

@@ -10,7 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from relay import __version__, config, dead_letter, faults, logs, metrics
-from relay.errors import ConfigError, OutboxError, StartupCheckError, TransientError
+from relay.errors import ConfigError, OutboxError, StartupCheckError
+from relay.exits import EXIT_OK, EXIT_STARTUP, run_program
 from relay.migrate import migrate, schema_sql
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
@@ -19,9 +20,6 @@ from relay.store import OutboxStore, connect
 from relay.worker import Relay, relay_health
 
 log = logging.getLogger("relay")
-
-EXIT_CONFIG = 2
-EXIT_STARTUP = 3
 
 MIGRATE_OPTIONS = (config.DATABASE_URL, config.TABLE, config.CONNECT_TIMEOUT,
                    config.LOG_LEVEL, config.LOG_FORMAT)
@@ -81,34 +79,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                          and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
-    try:
-        if args.command == "migrate":
-            return _migrate(args)
-        if args.command == "dead-letter":
-            return _dead_letter(args)
-        return _run(args)
-    except ConfigError as exc:
-        print(f"outbox-relay: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except StartupCheckError as exc:
-        # One line, in the configured log format (logging is set up by now).
-        log.error("%s", exc, extra={"action": "startup_check_failed"})
-        return EXIT_STARTUP
-    except TransientError as exc:
-        print(f"outbox-relay: error: {exc}", file=sys.stderr)
-        return 1
+    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(args.command, _run)
+    return run_program("outbox-relay", log, lambda: command(args))
 
 
 def _migrate(args: argparse.Namespace) -> int:
     if args.print_only:
         table = config.resolve(args, (config.TABLE,))["table"]
         sys.stdout.write(schema_sql(table) + "\n")
-        return 0
+        return EXIT_OK
     values = config.resolve(args, MIGRATE_OPTIONS)
     logs.setup(values["log_level"], values["log_format"])
     migrate(values["database_url"], values["table"], timeout=values["connect_timeout"])
     log.info("schema applied", extra={"action": "schema_applied", "table": values["table"]})
-    return 0
+    return EXIT_OK
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -131,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.confirm_timeout,
         connect_timeout=settings.connect_timeout, fault=fault)
     relay = Relay(settings, store, publisher, metrics=relay_metrics, health=health, fault=fault,
-                  should_stop=lambda: shutdown.requested)
+                  shutdown=shutdown)
     publisher.name = f"outbox-relay {relay.instance_name}"
     metrics.serve(relay_metrics.registry, settings.metrics_host, settings.metrics_port, health)
     # Fail fast on what a retry cannot fix (2PC off, schema missing, stream clash).
@@ -140,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     except OutboxError:
         relay.close()
         raise
-    return 0
+    return EXIT_OK
 
 
 def _dead_letter(args: argparse.Namespace) -> int:
@@ -173,7 +157,7 @@ def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Ta
             if total > len(rows):
                 print(f"outbox-relay: {len(rows)} of {total} dead letters shown (--limit)",
                       file=sys.stderr)
-            return 0
+            return EXIT_OK
         result = dead_letter.requeue(conn, tables, None if args.all else args.ids)
     for dead_id, message_id in result.skipped.items():
         print(f"skipped dead letter {dead_id}: message_id {message_id!r} is already in the outbox")
@@ -181,4 +165,4 @@ def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Ta
         print(f"skipped dead letter {dead_id}: not in {tables.dead_letter_name}")
     print(f"requeued {len(result.moved)} dead letter{'' if len(result.moved) == 1 else 's'} "
           f"into {tables.name}")
-    return 0
+    return EXIT_OK

@@ -19,6 +19,19 @@ class TransientError(OutboxError):
     """A connection-level fault: reconnect with backoff and try again."""
 
 
+class DatabaseError(OutboxError):
+    """PostgreSQL refused a statement (the store translates the driver's errors into these);
+    ``sqlstate`` is its SQLSTATE, None when the client raised it."""
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class ConnectionLost(DatabaseError):
+    """The PostgreSQL session is gone (client-side error, class 08 or 57P): reconnect."""
+
+
 class BatchFailed(OutboxError):
     """The broker did not confirm every message of a batch; it must be rolled back."""
 

@@ -45,14 +45,6 @@ class Health:
         with self._lock:
             self._last_beat = now
 
-    def wait(self, seconds: float, should_stop: Callable[[], bool]) -> None:
-        """Sleep ``seconds`` (less once ``should_stop()``), beating all along: a loop that waits
-        to reconnect, or for its next scan, is turning as designed."""
-        deadline = time.monotonic() + seconds
-        while not should_stop() and time.monotonic() < deadline:
-            self.beat()
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-
     def set_check(self, name: str, problem: str | None) -> None:
         """``problem`` None: the check passes; otherwise a short reason it fails."""
         if problem is not None:  # one short line: probe bodies are read by people and kubelets

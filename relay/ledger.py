@@ -28,7 +28,7 @@ from typing import Any
 
 import pika.exceptions
 
-from relay import amqp
+from relay import amqp, pika_private
 from relay.errors import TransientError
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def read_until_marker(
     blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
     # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
     # layer still holds, and a stream answers basic.reject by closing the whole connection.
-    channel = blocking._impl
+    channel = pika_private.async_channel(blocking)
 
     def examine(record: dict[str, Any], props: Any) -> None:
         nonlocal seen
@@ -211,10 +211,10 @@ def _stop_reading(blocking: Any, tag: str) -> None:
     broker close the connection all the same, the read is complete once the marker was seen:
     the caller finds its connection closed and opens a new one.
     """
-    channel = blocking._impl
+    channel = pika_private.async_channel(blocking)
     try:
         if channel.is_open:
-            channel._consumers_with_noack.add(tag)
+            pika_private.mark_no_ack(channel, tag)
             blocking.close()
     except (pika.exceptions.AMQPError, *amqp.CONNECTION_ERRORS) as exc:
         log.debug("ledger consumer ended by the broker: %r", exc,

@@ -20,8 +20,8 @@ from typing import Any
 import pika
 import pika.frame
 
-from relay.publisher import DEFAULT_FRAME_MAX, Message
-from relay.store import OutboxRow
+from relay.model import Message, OutboxRow, Unpublishable
+from relay.publisher import DEFAULT_FRAME_MAX
 
 SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type
 # Deeper header tables are refused before anything recursive (JSON decoding, conversion,
@@ -222,15 +222,15 @@ def decode_headers(text: str) -> tuple[Any, str | None]:
 
 
 def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME_MAX,
-               ledger_stream: str | None = None) -> Message | str:
-    """A message for ``row``, or the reason it can never be published (it is dead-lettered).
+               ledger_stream: str | None = None) -> Message | Unpublishable:
+    """A message for ``row``, or why it can never be published (it is dead-lettered).
 
     Never raises for a row's content: a row is decoded and checked here, on its own.
     """
     try:
         headers, undecodable = decode_headers(row.headers)
         if undecodable is not None:
-            return undecodable
+            return Unpublishable(undecodable)
         headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
         found, properties = _check(
@@ -239,7 +239,7 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
             created_at=row.created_epoch, created_shown=repr(row.created_at),
             max_message_bytes=max_bytes, frame_max=frame_max, ledger_stream=ledger_stream)
     except (RecursionError, ValueError, OverflowError, TypeError, MemoryError) as exc:
-        return f"row cannot be decoded: {type(exc).__name__}: {_short(exc)}"
+        return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {_short(exc)}")
     if found is not None:
-        return found.reason
+        return Unpublishable(found.reason)
     return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body, properties)

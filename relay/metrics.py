@@ -26,6 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 from relay import __version__
 from relay.errors import ConfigError
 from relay.health import Health
+from relay.model import BatchOutcome, DeadLetterReason, Decision, Reason, Server
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -36,15 +37,17 @@ if TYPE_CHECKING:
 # closed the whole connection for a frame it refused (connection_closed); pika could not encode
 # it (unencodable); or the batch lost its connection or its confirms several times in a row
 # (connection_lost, confirm_timeout: every unconfirmed row then counts an attempt).
-ROW_FAILURE_REASONS = ("unroutable", "nacked", "exchange_not_found", "channel_closed",
-                       "connection_closed", "unencodable", "connection_lost", "confirm_timeout")
+ROW_FAILURE_REASONS = (Reason.UNROUTABLE, Reason.NACKED, Reason.EXCHANGE_NOT_FOUND,
+                       Reason.CHANNEL_CLOSED, Reason.CONNECTION_CLOSED, Reason.UNENCODABLE,
+                       Reason.CONNECTION_LOST, Reason.CONFIRM_TIMEOUT)
 # Why a batch was rolled back: some of its rows failed (above), or the connection, a confirm
 # timeout or the ledger record failed the whole batch.
-BATCH_FAILURE_REASONS = ("row_failures", "connection_lost", "confirm_timeout", "ledger")
-BATCH_OUTCOMES = ("committed", "rolled_back", "finished_elsewhere")
-DEAD_LETTER_REASONS = ("invalid", "exhausted")
-SERVERS = ("postgresql", "rabbitmq")
-DECISIONS = ("committed", "rolled_back", "already_finished")
+BATCH_FAILURE_REASONS = (Reason.ROW_FAILURES, Reason.CONNECTION_LOST, Reason.CONFIRM_TIMEOUT,
+                         Reason.LEDGER)
+BATCH_OUTCOMES = tuple(BatchOutcome)
+DEAD_LETTER_REASONS = tuple(DeadLetterReason)
+SERVERS = tuple(Server)
+DECISIONS = tuple(Decision)
 # Why the resolver ignored a ledger record naming an in-doubt batch.
 LEDGER_REJECTIONS = ("unauthenticated", "other_transaction")
 
@@ -169,8 +172,8 @@ class RelayMetrics:
             self.batch_failures.labels(reason)
         for outcome in BATCH_OUTCOMES:
             self.batches.labels(outcome)
-        for reason in DEAD_LETTER_REASONS:
-            self.dead_lettered.labels(reason)
+        for dead_reason in DEAD_LETTER_REASONS:
+            self.dead_lettered.labels(dead_reason)
         for server in SERVERS:
             self.reconnects.labels(server)
             self.connected.labels(server)

@@ -13,15 +13,15 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pika
 import pika.exceptions
 import pika.spec
 
-from relay import amqp
+from relay import amqp, pika_private
 from relay.errors import BatchFailed, LedgerMissing, TransientError
+from relay.model import Failure, Message, PublishResult, Reason
 
 log = logging.getLogger(__name__)
 
@@ -41,39 +41,6 @@ REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
 # row up to NACK_BACKOFF_MAX: batch backoff instead of rows running out of attempts.
 NACK_BACKOFF_BASE = 0.5
 NACK_BACKOFF_MAX = 30.0
-
-
-@dataclass(frozen=True)
-class Message:
-    """One outbox row, ready to publish."""
-
-    row_id: int
-    message_id: str
-    exchange: str
-    routing_key: str
-    body: bytes
-    properties: Any  # pika.BasicProperties
-
-
-@dataclass
-class PublishResult:
-    """What the broker said about each message of a batch."""
-
-    confirmed: set[int] = field(default_factory=set)
-    # Rows the broker refused, each for its own reason (returned, nacked, no such exchange).
-    failed: dict[int, str] = field(default_factory=dict)
-    # Rows unconfirmed when the broker closed the channel: one of them caused it, not known which.
-    suspect: dict[int, str] = field(default_factory=dict)
-    # Set when the connection failed or timed out: the unconfirmed rows' fate is unknown.
-    transient: str | None = None
-
-    def complete(self, total: int) -> bool:
-        return (
-            len(self.confirmed) == total
-            and not self.failed
-            and not self.suspect
-            and self.transient is None
-        )
 
 
 class AmqpPublisher:
@@ -105,7 +72,7 @@ class AmqpPublisher:
         self._pending: dict[int, int] = {}  # delivery tag -> row id
         self._by_message_id: dict[str, int] = {}
         self._result = PublishResult()
-        self._closed_reason: str | None = None
+        self._closed_reason: Failure | None = None
         self._closed_code: int | None = None
         self._nacked = 0  # messages of the current batch the broker nacked
         self._nack_streak = 0  # batches in a row with a nack
@@ -134,7 +101,7 @@ class AmqpPublisher:
                                 replicas=amqp.ledger_replicas(self._url),
                                 reopen=self._conn.channel)
             blocking = self._conn.channel()
-            self._channel = blocking._impl  # the async core: many confirms in flight
+            self._channel = pika_private.async_channel(blocking)  # the async core: many confirms in flight
             selected: list[bool] = []
             self._channel.confirm_delivery(
                 ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
@@ -170,7 +137,7 @@ class AmqpPublisher:
         conn = self._conn
         if conn is None:
             return DEFAULT_FRAME_MAX
-        return int(getattr(conn._impl.params, "frame_max", DEFAULT_FRAME_MAX))
+        return pika_private.frame_max(conn, DEFAULT_FRAME_MAX)
 
     def idle(self, seconds: float) -> None:
         """Wait while answering heartbeats; a dead connection is noticed here, not later."""
@@ -187,10 +154,10 @@ class AmqpPublisher:
 
     # -- step 3 -------------------------------------------------------------------------------
 
-    def missing_exchanges(self, names: set[str]) -> dict[str, str]:
+    def missing_exchanges(self, names: set[str]) -> dict[str, Failure]:
         """Exchanges that do not exist, checked passively (a publish to one would close the channel)."""
         now = time.monotonic()
-        missing: dict[str, str] = {}
+        missing: dict[str, Failure] = {}
         for name in names:
             if self._known_exchanges.get(name, 0.0) > now:
                 continue
@@ -201,7 +168,8 @@ class AmqpPublisher:
                 self._known_exchanges[name] = now + EXCHANGE_CACHE_SECONDS
             except pika.exceptions.ChannelClosedByBroker as exc:
                 self._probe = None
-                missing[name] = f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"
+                missing[name] = Failure(Reason.EXCHANGE_NOT_FOUND, (
+                    f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"))
             except amqp.CONNECTION_ERRORS as exc:
                 raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
         return missing
@@ -219,7 +187,7 @@ class AmqpPublisher:
         self._by_message_id = {m.message_id: m.row_id for m in messages}
         if not self.connected:
             # Never blame rows for a channel that was already gone: roll back, reconnect.
-            self._result.transient = "RabbitMQ channel not open"
+            self._result.transient = Failure(Reason.CONNECTION_LOST, "RabbitMQ channel not open")
             return self._result
         half = len(messages) // 2
         try:
@@ -234,13 +202,14 @@ class AmqpPublisher:
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if exc.reply_code in REFUSED_FRAME_CODES:
                 # The broker refused something we sent: one of the unconfirmed rows.
-                self._closed_reason = (f"connection closed by the broker: {exc.reply_code} "
-                                       f"{exc.reply_text}")
+                self._closed_reason = Failure(
+                    Reason.CONNECTION_CLOSED,
+                    f"connection closed by the broker: {exc.reply_code} {exc.reply_text}")
                 self._closed_code = exc.reply_code
             else:
-                self._result.transient = f"RabbitMQ connection lost: {exc!r}"
+                self._result.transient = _lost(f"RabbitMQ connection lost: {exc!r}")
         except amqp.CONNECTION_ERRORS as exc:
-            self._result.transient = f"RabbitMQ connection lost: {type(exc).__name__}"
+            self._result.transient = _lost(f"RabbitMQ connection lost: {type(exc).__name__}")
         if self._nacked:
             self._after_nack()
         elif self._result.confirmed and not self._result.failed and self._result.transient is None:
@@ -252,7 +221,8 @@ class AmqpPublisher:
         """The broker nacked messages of this batch: fail the batch (no row's fault), reopen
         the connection, and hold the next one off (see NACK_BACKOFF_BASE)."""
         if self._result.transient is None:
-            self._result.transient = f"nacked by the broker ({self._nacked} messages)"
+            self._result.transient = Failure(
+                Reason.NACKED, f"nacked by the broker ({self._nacked} messages)")
         self._nack_streak += 1
         hold = min(NACK_BACKOFF_BASE * 2 ** min(self._nack_streak - 1, 16), NACK_BACKOFF_MAX)
         self._hold_until = time.monotonic() + hold * random.uniform(0.5, 1.0)
@@ -273,7 +243,8 @@ class AmqpPublisher:
                     # pika marshals a message's frames before writing any: nothing was sent,
                     # no delivery tag used. A row whose content pika cannot encode (which
                     # relay.messages should have refused) fails alone; the relay goes on.
-                    self._result.failed[m.row_id] = f"cannot be encoded: {exc!r}"[:500]
+                    self._result.failed[m.row_id] = Failure(
+                        Reason.UNENCODABLE, f"cannot be encoded: {exc!r}"[:500])
                     continue
                 self._pending[self._next_tag] = m.row_id
                 self._next_tag += 1
@@ -285,7 +256,9 @@ class AmqpPublisher:
             # A channel with confirms outstanding cannot be trusted again, nor a broker that
             # does not answer: drop the socket without waiting for a close handshake.
             self.close(handshake=False)
-            self._result.transient = f"no confirm within {self._confirm_timeout:g} s"
+            self._result.transient = Failure(
+                Reason.CONFIRM_TIMEOUT, f"no confirm within {self._confirm_timeout:g} s",
+                in_flight_lost=True)
 
     def _settle_unconfirmed(self) -> None:
         """Rows still pending are suspect (channel closed by the broker) or unknown (transient)."""
@@ -295,7 +268,7 @@ class AmqpPublisher:
             for row_id in unconfirmed:
                 self._result.suspect[row_id] = self._closed_reason
         elif unconfirmed and self._result.transient is None:
-            self._result.transient = "unconfirmed messages"
+            self._result.transient = Failure(Reason.CONNECTION_LOST, "unconfirmed messages")
         self._pending.clear()
 
     # -- step 4 -------------------------------------------------------------------------------
@@ -313,7 +286,7 @@ class AmqpPublisher:
         result = self.publish_batch([Message(0, message_id, stream, stream, body, properties)])
         if not result.complete(1):
             reason = result.transient or next(iter({**result.failed, **result.suspect}.values()))
-            if reason.startswith("unroutable") or (result.suspect and self._closed_code == 404):
+            if reason.reason is Reason.UNROUTABLE or (result.suspect and self._closed_code == 404):
                 # No binding (the stream was deleted) or no exchange: nothing records batches.
                 raise LedgerMissing(f"ledger stream {stream!r} is gone ({reason})")
             raise BatchFailed(f"ledger record not confirmed: {reason}")
@@ -345,13 +318,13 @@ class AmqpPublisher:
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         row_id = self._by_message_id.get(properties.message_id)
         if row_id is not None:
-            self._result.failed[row_id] = (
+            self._result.failed[row_id] = Failure(Reason.UNROUTABLE, (
                 f"unroutable: {method.reply_code} {method.reply_text} "
-                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"
-            )
+                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"))
 
     def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
-        self._closed_reason = f"channel closed by the broker: {reason}"
+        self._closed_reason = Failure(Reason.CHANNEL_CLOSED,
+                                      f"channel closed by the broker: {reason}")
         if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             self._closed_code = reason.reply_code
             if reason.reply_code == 404:
@@ -362,3 +335,8 @@ class AmqpPublisher:
 
     def _pump_until(self, done: Callable[[], bool], timeout: float) -> None:
         amqp.pump(self._conn, done, timeout)
+
+
+def _lost(detail: str) -> Failure:
+    """The connection went with the batch in flight: its unconfirmed messages' fate is unknown."""
+    return Failure(Reason.CONNECTION_LOST, detail, in_flight_lost=True)

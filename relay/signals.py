@@ -7,8 +7,20 @@ import os
 import signal
 import threading
 from types import FrameType
+from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+
+class Stop(Protocol):
+    """What a loop asks of its shutdown: whether to stop, and a sleep that a stop cuts short."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True as soon as a stop is requested."""
+        ...
 
 
 class Shutdown:
@@ -23,6 +35,9 @@ class Shutdown:
 
     def request(self) -> None:
         self._event.set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(max(0.0, seconds))
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)

@@ -9,12 +9,12 @@ confirmed, and this one committed while the next claim is open.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.conninfo
@@ -22,43 +22,17 @@ import psycopg.errors
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from relay.errors import StartupCheckError, TransientError, describe
+from relay.errors import (
+    ConnectionLost,
+    DatabaseError,
+    StartupCheckError,
+    TransientError,
+    describe,
+)
+from relay.model import OutboxRow, PreparedXact
 from relay.queries import Tables
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OutboxRow:
-    """A claimed outbox row, as raw as the claim can fetch it: nothing a producer writes can
-    fail the fetch of a batch. Each row is decoded on its own (``relay.messages.to_message``)."""
-
-    id: int
-    message_id: str
-    exchange: str
-    routing_key: str
-    ordering_key: str | None
-    body: bytes  # the payload's JSON text in UTF-8, or payload_bytes
-    is_json: bool  # payload (jsonb) rather than payload_bytes
-    headers: str  # the headers' JSON text
-    content_type: str | None
-    created_epoch: float  # created_at in epoch seconds: may be +-inf, negative, past year 9999
-    created_at: str  # created_at as text, as the claim session prints it (its dead-letter copy)
-    attempts: int
-    row_bytes: int = 0  # what the claim fetched of the row (the row_bytes column)
-    # Set when the claim itself moved the row to the dead-letter table, too big to be fetched
-    # (nothing but id, message_id and attempts is filled in then): the reason.
-    dead_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class PreparedXact:
-    gid: str
-    prepared: datetime
-    owner: str
-    age_seconds: float
-    xid: int = 0  # pg_prepared_xacts.transaction
-    database: str = ""
 
 
 # libpq's TCP settings unless the URL sets them: a silent partition is noticed in about 30 s,
@@ -145,6 +119,29 @@ def is_connection_error(exc: BaseException) -> bool:
     sqlstate = getattr(exc, "sqlstate", None)
     # None: raised by the client (socket gone); 08: connection exception; 57P: server shutdown.
     return sqlstate is None or sqlstate.startswith(("08", "57P"))
+
+
+def translate(exc: psycopg.Error) -> DatabaseError:
+    """The driver's error as the relay's: ConnectionLost when the session is gone."""
+    kind = ConnectionLost if is_connection_error(exc) else DatabaseError
+    return kind(str(exc), sqlstate=getattr(exc, "sqlstate", None))
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _translated(method: Callable[P, R]) -> Callable[P, R]:
+    """The store's edge: no psycopg error gets past it (the relay loop imports no driver)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+    return wrapper
 
 
 def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) -> None:
@@ -299,6 +296,7 @@ class OutboxStore:
         return all(c is not None and not c.closed and not c.broken
                    for c in (self._conn, self._claim_conn))
 
+    @_translated
     def connect(self, lock_class: int, instance: int) -> None:
         """Connect, check the server and schema, and take this relay's instance lock."""
         self.close()
@@ -328,6 +326,7 @@ class OutboxStore:
                 conn.close()
         self._conn = self._claim_conn = None
 
+    @_translated
     def reset(self) -> None:
         """Roll back an open (unprepared) transaction; close the sessions if even that fails."""
         for conn in (self._claim_conn, self._conn):
@@ -340,6 +339,7 @@ class OutboxStore:
                 self.close()
                 return
 
+    @_translated
     def claim(self, limit: int, max_bytes: int, *,
               max_message_bytes: int = 134217728) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
@@ -366,6 +366,7 @@ class OutboxStore:
             self._fitting = None if 2 * asked >= limit else 2 * asked
         return rows
 
+    @_translated
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None:
         """Inside the claim transaction: rows that can never be published go to dead letter,
         with the values the claim fetched (created_at as text from this same session, so it
@@ -382,10 +383,12 @@ class OutboxStore:
         with self.claim_conn.cursor() as cur:
             cur.executemany(self.tables.query("dead_letter_claimed"), params)
 
+    @_translated
     def rollback(self) -> None:
         """End a claim that found nothing (or is abandoned) without preparing it."""
         self.claim_conn.execute("ROLLBACK")
 
+    @_translated
     def prepare(self, gid: str) -> int:
         """Step 2: PREPARE TRANSACTION; checks that it really prepared. Returns the transaction's
         xid (as ``pg_prepared_xacts.transaction`` will show it), which the ledger record names.
@@ -431,10 +434,12 @@ class OutboxStore:
             f"standby {self._standby_wait!r} did not flush past the claim within "
             f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
 
+    @_translated
     def finish(self, gid: str, *, commit: bool) -> bool:
         """Step 5 (or the failure path): False if someone else already finished it."""
         return finish_prepared(self.conn, gid, commit=commit)
 
+    @_translated
     def settle_failed(
         self,
         delivered: Sequence[int],
@@ -469,6 +474,7 @@ class OutboxStore:
                                {"ids": list(attributed), "max_attempts": max_attempts})
             return [row[0] for row in cur.fetchall()]
 
+    @_translated
     def stats(self) -> tuple[int, float]:
         """(backlog rows, lag seconds) for the metrics."""
         return outbox_stats(self.conn, self.tables)

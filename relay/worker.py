@@ -3,32 +3,47 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-import psycopg
 import tenacity
 
-from relay import ledger
+from relay import backoff, ledger
 from relay.config import RelaySettings
 from relay.connections import ConnectionEvents
-from relay.errors import BatchFailed, LedgerMissing, TransientError, describe
+from relay.errors import (
+    BatchFailed,
+    ConnectionLost,
+    DatabaseError,
+    LedgerMissing,
+    TransientError,
+    describe,
+)
 from relay.gid import Gid, lock_class, new_instance_id
 from relay.health import Health, stall_threshold
+from relay.loop import Loop
 from relay.messages import to_message
 from relay.metrics import RelayMetrics
-from relay.publisher import Message, PublishResult
-from relay.store import OutboxRow, is_connection_error
+from relay.model import (
+    BatchOutcome,
+    DeadLetterReason,
+    Failure,
+    Message,
+    OutboxRow,
+    PublishResult,
+    Reason,
+    Server,
+    Unpublishable,
+)
+from relay.signals import Shutdown, Stop
 
 log = logging.getLogger("relay")
 
-# Backoff between reconnection attempts; tests shrink these.
-RECONNECT_INITIAL_DELAY = 0.2
 # Batches in a row that lost the broker connection (not merely their confirms) before every
-# row of the batch counts an attempt: a row that kills the connection in a way we cannot tell apart from
-# the network must not be retried forever, and retried alone it names itself.
+# row of the batch counts an attempt: a row that kills the connection in a way we cannot tell
+# apart from the network must not be retried forever, and retried alone it names itself.
 LOST_STREAK_LIMIT = 3
 
 
@@ -47,7 +62,7 @@ class Store(Protocol):
     def rollback(self) -> None: ...
     def prepare(self, gid: str) -> int: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
-    def settle_failed(self, delivered: Sequence[int], failures: dict[int, str],
+    def settle_failed(self, delivered: Sequence[int], failures: Mapping[int, str],
                       attributed: Sequence[int], *, max_attempts: int, base_delay: float,
                       max_delay: float) -> list[int]: ...
     def stats(self) -> tuple[int, float]: ...
@@ -58,7 +73,7 @@ class Publisher(Protocol):
     def connected(self) -> bool: ...
     def connect(self) -> None: ...
     def close(self) -> None: ...
-    def missing_exchanges(self, names: set[str]) -> dict[str, str]: ...
+    def missing_exchanges(self, names: set[str]) -> dict[str, Failure]: ...
     def publish_batch(self, messages: Sequence[Message],
                       while_waiting: Callable[[], None] | None = None) -> PublishResult: ...
     @property
@@ -71,26 +86,34 @@ def relay_health(settings: RelaySettings) -> Health:
     """Readiness: both servers connected (PostgreSQL: 2PC on, schema present, as checked on
     connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least)."""
     return Health(
-        ("postgresql", "rabbitmq"),
+        tuple(Server),
         stall_after=stall_threshold(2 * settings.confirm_timeout, settings.connect_timeout,
                                     settings.reconnect_max_delay, settings.poll_max_interval))
 
 
-def failure_reason(error: str) -> str:
-    """The bounded metric label for a failure message."""
-    for prefix, reason in (("unroutable", "unroutable"), ("nacked", "nacked"),
-                           ("cannot be encoded", "unencodable"),
-                           ("connection closed", "connection_closed"),
-                           ("exchange ", "exchange_not_found"),
-                           ("channel closed", "channel_closed"), ("no confirm", "confirm_timeout"),
-                           ("ledger", "ledger")):
-        if error.startswith(prefix):
-            return reason
-    return "connection_lost"
+@dataclass(frozen=True)
+class Unfinished:
+    """A prepared batch whose outcome is decided but not applied yet (PostgreSQL went away)."""
+
+    gid: str
+    commit: bool
+    size: int  # its rows, for the log line when it is finally applied
 
 
-class Relay:
+@dataclass(frozen=True)
+class Ahead:
+    """The next batch, claimed while the broker confirmed the last one (its claim transaction
+    open, not prepared, on the store's claim session), or the error that claim raised."""
+
+    rows: list[OutboxRow]
+    error: DatabaseError | None = None
+
+
+class Relay(Loop):
     """Moves outbox rows to RabbitMQ, one prepared batch at a time."""
+
+    program = "relay"
+    faults = (TransientError, DatabaseError)
 
     def __init__(
         self,
@@ -101,30 +124,25 @@ class Relay:
         metrics: RelayMetrics | None = None,
         health: Health | None = None,
         fault: Callable[[str], None] = lambda _point: None,
-        should_stop: Callable[[], bool] = lambda: False,
+        shutdown: Stop | None = None,
         instance: int | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.publisher = publisher
         self.metrics = metrics or RelayMetrics()
-        self.health = health or relay_health(settings)
+        super().__init__(log=log, health=health or relay_health(settings),
+                         last_loop=self.metrics.last_loop, shutdown=shutdown or Shutdown(),
+                         max_delay=settings.reconnect_max_delay)
         self.fault = fault
-        self.should_stop = should_stop
         self.instance = new_instance_id() if instance is None else instance
         self.lock_class = lock_class(settings.gid_prefix)
         self._sequence = 0
-        # A prepared batch whose outcome is decided but not yet applied (PostgreSQL went away),
-        # and its number of rows (for the log line when it is finally applied).
-        self._unfinished: tuple[str, bool] | None = None
-        self._unfinished_size = 0
+        self._unfinished: Unfinished | None = None
         self._next_stats = 0.0
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
-        self._fault_streak = 0
-        # The next batch, claimed while the broker confirmed the last one: its claim
-        # transaction is open (not prepared) on the store's claim session.
-        self._ahead: list[OutboxRow] | None = None
-        self._ahead_error: psycopg.Error | None = None
+        self._idle = settings.poll_min_interval  # the next empty poll's wait
+        self._ahead: Ahead | None = None
         # Batches in a row whose broker connection was lost (see LOST_STREAK_LIMIT).
         self._lost_streak = 0
         self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
@@ -132,6 +150,16 @@ class Relay:
     @property
     def instance_name(self) -> str:
         return f"{self.instance:08x}"
+
+    @property
+    def unfinished(self) -> Unfinished | None:
+        """The batch whose decision waits for PostgreSQL to come back, if any."""
+        return self._unfinished
+
+    @property
+    def claimed_ahead(self) -> list[OutboxRow]:
+        """The rows of the next batch, claimed while the broker confirmed the last one."""
+        return self._ahead.rows if self._ahead is not None else []
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -141,8 +169,9 @@ class Relay:
         started = time.monotonic()
         # 1. BEGIN; claim due rows with FOR UPDATE SKIP LOCKED and delete them (unless the
         # previous batch claimed them already, while its confirms were on their way).
-        rows, self._ahead = self._ahead, None
-        if rows is None:
+        rows = self.claimed_ahead
+        self._ahead = None
+        if not rows:
             rows = self._claim(s.batch_max_bytes)
         if not rows:
             self.store.rollback()
@@ -164,12 +193,11 @@ class Relay:
         # Until COMMIT/ROLLBACK PREPARED returns, an exception leaves the decision here for the
         # loop to apply after reconnecting: roll back unless the ledger record is confirmed. Set
         # before PREPARE: its reply can be lost after the server prepared the transaction.
-        self._unfinished = (gid, False)
-        self._unfinished_size = len(rows)
+        self._unfinished = Unfinished(gid, commit=False, size=len(rows))
         try:
             xid = self.store.prepare(gid)
         except Exception as exc:
-            if not is_connection_error(exc):
+            if not isinstance(exc, ConnectionLost):
                 self._unfinished = None  # refused (e.g. out of slots): certainly not prepared
             raise
         self.fault("after_prepare")
@@ -189,34 +217,35 @@ class Relay:
             try:
                 self.publisher.record_batch(gid, record)
                 committed = True
-                self._unfinished = (gid, True)
+                self._unfinished = Unfinished(gid, commit=True, size=len(rows))
             except LedgerMissing as exc:
-                result.transient = f"ledger: {exc}"
+                result.transient = Failure(Reason.LEDGER, f"ledger: {exc}")
                 self._ledger_missing(exc)
             except (BatchFailed, TransientError) as exc:
-                result.transient = f"ledger: {exc}"
+                result.transient = Failure(Reason.LEDGER, f"ledger: {exc}")
         if committed:
             self.fault("after_ledger")
             # 5. COMMIT PREPARED.
             self._lost_streak = 0
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
-                self.metrics.dead_lettered.labels("invalid").inc(len(invalid))
+                self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(invalid))
                 for row, error in invalid:
                     log.warning("row dead-lettered: %s", error, extra={
-                        "action": "row_dead_lettered", "reason": "invalid", "gid": gid,
+                        "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
+                        "gid": gid,
                         "row_id": row.id, "message_id": row.message_id})
             self.fault("after_commit")
         else:
             refused = len(result.failed) + len(result.suspect)
-            self._finish(gid, commit=False, size=len(rows), reason=result.transient or (
-                f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker"))
+            self._finish(gid, commit=False, size=len(rows), reason=str(result.transient or (
+                f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker")))
             self._settle(result, gid=gid, published=[m.row_id for m in messages],
                          message_ids={row.id: row.message_id for row in rows})
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
-        if self._ahead_error is not None:
-            claim_error, self._ahead_error = self._ahead_error, None
+        if self._ahead is not None and self._ahead.error is not None:
+            claim_error, self._ahead = self._ahead.error, None
             raise claim_error  # this batch is finished; the loop now resets the claim session
         return len(rows)
 
@@ -227,7 +256,7 @@ class Relay:
         crash rolls it back with the session, so at most one batch is ever in doubt and only
         that batch can be duplicated. A failure is raised once this batch is finished.
         """
-        if self.should_stop():
+        if self.shutdown.requested:
             return
         # Both batches are in memory at once: the next one gets what this one left of the
         # byte budget (OUTBOX_BATCH_MAX_BYTES), and none if it used it all.
@@ -237,11 +266,11 @@ class Relay:
         try:
             rows = self._claim(budget)
             if rows:
-                self._ahead = rows
+                self._ahead = Ahead(rows)
             else:
                 self.store.rollback()
-        except psycopg.Error as exc:
-            self._ahead, self._ahead_error = None, exc
+        except DatabaseError as exc:
+            self._ahead = Ahead([], exc)
 
     def _claim(self, max_bytes: int) -> list[OutboxRow]:
         s = self.settings
@@ -263,9 +292,9 @@ class Relay:
         for row in rows:
             built = to_message(row, max_bytes=self.settings.max_message_bytes,
                                frame_max=frame_max, ledger_stream=self.settings.ledger_stream)
-            if isinstance(built, str):
+            if isinstance(built, Unpublishable):
                 # Logged once the batch that moves it to the dead-letter table has committed.
-                invalid.append((row, built))
+                invalid.append((row, built.reason))
             else:
                 messages.append(built)
         return messages, invalid
@@ -282,24 +311,23 @@ class Relay:
         """
         try:
             done = self.store.finish(gid, commit=commit)
-        except Exception as exc:
-            if is_connection_error(exc):
-                raise TransientError(f"PostgreSQL connection lost finishing {gid}") from exc
-            raise
+        except ConnectionLost as exc:
+            raise TransientError(f"PostgreSQL connection lost finishing {gid}") from exc
         self._unfinished = None
         if not done:
             # The resolver (or a race) finished it first, or (rolling back after a lost PREPARE
             # reply) it was never prepared: duplicates are possible, loss is not.
             log.warning("prepared batch already finished by someone else",
                         extra={"action": "batch_finished_elsewhere", "gid": gid, "batch_size": size})
-            self.metrics.batches.labels("finished_elsewhere").inc()
+            self.metrics.batches.labels(BatchOutcome.FINISHED_ELSEWHERE).inc()
             return False
-        outcome = "committed" if commit else "rolled_back"
+        outcome = BatchOutcome.COMMITTED if commit else BatchOutcome.ROLLED_BACK
         self.metrics.batches.labels(outcome).inc()
         extra: dict[str, object] = {"action": f"batch_{outcome}", "gid": gid, "batch_size": size}
         if reason is not None:
             extra["reason"] = reason
-        log.log(logging.DEBUG if commit else logging.WARNING, "batch %s", outcome.replace("_", " "),
+        log.log(logging.DEBUG if commit else logging.WARNING, "batch %s",
+                outcome.value.replace("_", " "),
                 extra=extra)
         return True
 
@@ -315,106 +343,100 @@ class Relay:
             failures.update(lost)
             if batch_size == 1:
                 attributed.extend(lost)
-        for error in failures.values():
-            self.metrics.row_failures.labels(failure_reason(error)).inc()
+        for failure in failures.values():
+            self.metrics.row_failures.labels(failure.reason).inc()
         # The batch's reason: what the rollback was logged with.
         self.metrics.batch_failures.labels(
-            failure_reason(result.transient) if result.transient else "row_failures").inc()
+            result.transient.reason if result.transient else Reason.ROW_FAILURES).inc()
         s = self.settings
         dead = self.store.settle_failed(
-            sorted(result.confirmed), failures, attributed, max_attempts=s.max_attempts,
+            sorted(result.confirmed), {row_id: f.detail for row_id, f in failures.items()},
+            attributed, max_attempts=s.max_attempts,
             base_delay=s.retry_base_delay, max_delay=s.retry_max_delay)
         for row_id, error in failures.items():
             extra = {"gid": gid, "row_id": row_id, "message_id": message_ids.get(row_id)}
             if row_id in dead:
                 log.warning("row dead-lettered: %s", error, extra={
-                    "action": "row_dead_lettered", "reason": "exhausted", **extra})
+                    "action": "row_dead_lettered", "reason": DeadLetterReason.EXHAUSTED.value,
+                    **extra})
             else:
                 log.warning("row failed: %s", error, extra={"action": "row_failed", **extra})
-        self.metrics.dead_lettered.labels("exhausted").inc(len(dead))
+        self.metrics.dead_lettered.labels(DeadLetterReason.EXHAUSTED).inc(len(dead))
 
-    def _lost(self, result: PublishResult, published: list[int]) -> dict[int, str]:
-        """After LOST_STREAK_LIMIT batches in a row lost the broker connection or their confirms,
+    def _lost(self, result: PublishResult, published: list[int]) -> dict[int, Failure]:
+        """After LOST_STREAK_LIMIT batches in a row lost the broker connection,
         an attempt for every row of this one whose fate is unknown: such rows are then claimed
         alone, and a row that loses the connection on its own runs out of attempts."""
-        transient = result.transient or ""
-        # Not "no confirm": confirms that never come on a live connection are the broker's
-        # failure (a quorum queue or the ledger without a majority), like a nack: an outage
-        # of any length must not run rows out of attempts.
-        if not transient.startswith("RabbitMQ connection lost"):
+        transient = result.transient
+        # Not a confirm timeout: confirms that never come on a live connection are the broker's
+        # failure (a quorum queue or the ledger without a majority), like a nack: an outage of
+        # any length must not run rows out of attempts.
+        if (transient is None or not transient.in_flight_lost
+                or transient.reason is Reason.CONFIRM_TIMEOUT):
             return {}
         self._lost_streak += 1
         if self._lost_streak < LOST_STREAK_LIMIT:
             return {}
-        reason = f"{transient} ({self._lost_streak} batches in a row)"
+        reason = Failure(transient.reason,
+                         f"{transient.detail} ({self._lost_streak} batches in a row)")
         known = result.confirmed | result.failed.keys() | result.suspect.keys()
         return {row_id: reason for row_id in published if row_id not in known}
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Relay until asked to stop; transient faults never end the loop."""
-        log.info("relay started", extra={"action": "relay_started", "instance": self.instance_name})
-        idle = self.settings.poll_min_interval
-        while not self.should_stop():
-            self.metrics.last_loop.set_to_current_time()
-            self.health.beat()
-            try:
-                self._ensure_connected()
-                if self.should_stop():
-                    break
-                claimed = self.run_batch()
-                self._refresh_stats()
-                self._fault_streak = 0
-            except (TransientError, psycopg.Error) as exc:
-                self._connection_fault(exc)
-                continue
-            if claimed >= self.settings.batch_size or self._ahead:
-                idle = self.settings.poll_min_interval
-                continue
-            if claimed:
-                idle = self.settings.poll_min_interval
-            else:
-                # Doubling from zero stays zero: start empty-poll waits at 1 ms at least.
-                idle = min(max(idle * 2, self.settings.poll_min_interval, 0.001),
-                           self.settings.poll_max_interval)
-            self.publisher.idle(idle)
-        self.health.stopping()
-        self.close()
-        log.info("relay stopped", extra={"action": "relay_stopped", "instance": self.instance_name})
+    def log_fields(self) -> dict[str, object]:
+        return {"instance": self.instance_name}
+
+    def turn(self) -> float | None:
+        """Connect if need be, relay one batch; pause as long as the outbox looks empty."""
+        self.ensure_connected()
+        if self.shutdown.requested:
+            return None
+        claimed = self.run_batch()
+        self._refresh_stats()
+        s = self.settings
+        if claimed >= s.batch_size or self.claimed_ahead:
+            self._idle = s.poll_min_interval
+            return None  # more rows are waiting
+        if claimed:
+            self._idle = s.poll_min_interval
+        else:
+            # Doubling from zero stays zero: start empty-poll waits at 1 ms at least.
+            self._idle = min(max(self._idle * 2, s.poll_min_interval, 0.001), s.poll_max_interval)
+        return self._idle
+
+    def pause(self, seconds: float) -> None:
+        self.publisher.idle(seconds)  # answers the broker's heartbeats meanwhile
 
     def close(self) -> None:
         self._ahead = None  # closing the claim session rolls its claim back
         self.store.close()
         self.publisher.close()
 
-    def _connection_fault(self, exc: BaseException) -> None:
-        """A server failed us mid-loop: reset what is unusable, back off, try again."""
+    def on_fault(self, exc: BaseException, failures: int = 1) -> None:
+        """A server failed us mid-loop: reset what is unusable (the loop backs off next)."""
         # Closed or reset below: a claim made ahead is rolled back with its session.
-        self._ahead, self._ahead_error = None, None
-        if is_connection_error(exc):
+        self._ahead = None
+        if isinstance(exc, ConnectionLost):
             self.store.close()
         else:
             self.store.reset()  # roll back an open claim so the rows are free again
         if not self.publisher.connected:
             self.publisher.close()
         # Not ready from now on, not only once the next turn notices (after the backoff below).
-        for server, client in (("postgresql", self.store), ("rabbitmq", self.publisher)):
+        for server, client in ((Server.POSTGRESQL, self.store), (Server.RABBITMQ, self.publisher)):
             if not client.connected:
                 self.health.set_check(server, "connection lost; reconnecting")
-        if isinstance(exc, psycopg.Error) and not is_connection_error(exc):
+        if isinstance(exc, DatabaseError) and not isinstance(exc, ConnectionLost):
             log.error("database error: %s", describe(exc), extra={"action": "database_error"})
         else:
             log.debug("connection fault: %s", exc, extra={"action": "connection_fault"})
-        self._fault_streak += 1
-        delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(self._fault_streak - 1, 16),
-                    self.settings.reconnect_max_delay)
-        self._sleep(delay * random.uniform(0.5, 1.0))
 
-    def _ensure_connected(self) -> None:
+    def ensure_connected(self) -> None:
         for server, client, connect in (
-            ("postgresql", self.store, lambda: self.store.connect(self.lock_class, self.instance)),
-            ("rabbitmq", self.publisher, self.publisher.connect),
+            (Server.POSTGRESQL, self.store,
+             lambda: self.store.connect(self.lock_class, self.instance)),
+            (Server.RABBITMQ, self.publisher, self.publisher.connect),
         ):
             if client.connected:
                 continue
@@ -422,11 +444,11 @@ class Relay:
             self._retrying(server)(connect)
             self._mark_up(server)
         if self._unfinished is not None:
-            gid, commit = self._unfinished
-            self._finish(gid, commit=commit, size=self._unfinished_size,
+            gid, commit, size = self._unfinished.gid, self._unfinished.commit, self._unfinished.size
+            self._finish(gid, commit=commit, size=size,
                          reason="decided before the PostgreSQL connection was lost")
 
-    def _retrying(self, server: str) -> tenacity.Retrying:
+    def _retrying(self, server: Server) -> tenacity.Retrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             self._connections.failed(server, exc)
@@ -434,25 +456,19 @@ class Relay:
 
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            # Full jitter: relays restarted together do not reconnect in lockstep.
-            wait=tenacity.wait_random_exponential(
-                multiplier=RECONNECT_INITIAL_DELAY, max=self.settings.reconnect_max_delay),
-            stop=lambda _state: self.should_stop(),
-            sleep=self._sleep,
+            wait=backoff.wait(self.settings.reconnect_max_delay),
+            stop=lambda _state: self.shutdown.requested,
+            sleep=self.sleep,
             before_sleep=before_sleep,
             reraise=True,
         )
 
-    def _sleep(self, seconds: float) -> None:
-        """Back off (tenacity's sleep too); the wait beats the liveness probe."""
-        self.health.wait(seconds, self.should_stop)
-
-    def _mark_down(self, server: str) -> None:
+    def _mark_down(self, server: Server) -> None:
         self.metrics.connected.labels(server).set(0)
         self.health.set_check(server, "not connected")
         self._connections.down(server)
 
-    def _mark_up(self, server: str) -> None:
+    def _mark_up(self, server: Server) -> None:
         self.metrics.connected.labels(server).set(1)
         self.health.set_check(server, None)
         self._connections.up(server)

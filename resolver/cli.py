@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
 
 from relay import __version__, config, logs, metrics
-from relay.errors import ConfigError, StartupCheckError, TransientError
+from relay.exits import EXIT_FAILED, EXIT_OK, run_program
 from relay.signals import Shutdown
 from resolver.worker import Resolver, resolver_health
 
@@ -24,44 +23,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--once", action="store_true",
-                        help="run one scan and exit (0: done; 1: could not decide)")
+                        help=f"run one scan and exit ({EXIT_OK}: done; {EXIT_FAILED}: could not "
+                        "decide)")
     config.add_options(parser, config.RESOLVER_OPTIONS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        settings = config.ResolverSettings(**config.resolve(args, config.RESOLVER_OPTIONS))
-    except ConfigError as exc:
-        print(f"outbox-resolver: error: {exc}", file=sys.stderr)
-        return 2
+    return run_program("outbox-resolver", log, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    settings = config.ResolverSettings(**config.resolve(args, config.RESOLVER_OPTIONS))
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()
     resolver_metrics = metrics.ResolverMetrics()
     health = resolver_health(settings)
-    resolver = Resolver(settings, metrics=resolver_metrics, health=health,
-                        should_stop=lambda: shutdown.requested)
+    resolver = Resolver(settings, metrics=resolver_metrics, health=health, shutdown=shutdown)
     try:
         if args.once:
             resolver.connect()
             outcomes = resolver.resolve_once()
             log.info("scan done", extra={"action": "scan_done", "resolved": len(outcomes)})
-            return 0
+            return EXIT_OK
         metrics.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port,
                       health)
         resolver.run()
-        return 0
-    except ConfigError as exc:
-        print(f"outbox-resolver: error: {exc}", file=sys.stderr)
-        return 2
-    except StartupCheckError as exc:
-        # One line, in the configured log format (logging is set up by now).
-        log.error("%s", exc, extra={"action": "startup_check_failed"})
-        return 3
-    except TransientError as exc:
-        print(f"outbox-resolver: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_OK
     finally:
         resolver.close()

@@ -12,15 +12,16 @@ A record counts only if it is signed with the ledger key (which only the relays'
 and names the prepared transaction's own xid and database (see relay/ledger.py). Candidates are
 decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
 reading; a read fails only when the ledger stops delivering, however long it takes.
+
+Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_INTERVAL for a
+prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,13 +33,16 @@ from relay.connections import ConnectionEvents
 from relay.errors import BatchFailed, TransientError, describe
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
+from relay.loop import Loop
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
+from relay.model import Decision, PreparedXact, Server
 from relay.publisher import AmqpPublisher
 from relay.queries import Tables
+from relay.signals import Shutdown, Stop
+from resolver.watch import relay_gone
 
 log = logging.getLogger("resolver")
 
-RECONNECT_INITIAL_DELAY = 0.2
 # In-doubt batches decided per ledger read (oldest first): bounds what one read must find.
 LEDGER_WINDOW = 256
 # Rejected ledger records remembered so each is logged and counted once.
@@ -54,24 +58,28 @@ def resolver_health(settings: ResolverSettings) -> Health:
     waits up to the ledger read timeout for the marker's confirm, and a ledger read beats the
     probe whenever it makes progress, and fails after that timeout without any."""
     return Health(
-        ("postgresql", "rabbitmq"),
+        tuple(Server),
         stall_after=stall_threshold(2 * settings.ledger_read_timeout, settings.connect_timeout,
                                     settings.reconnect_max_delay, settings.interval))
 
 
-class Resolver:
+class Resolver(Loop):
+    program = "resolver"
+    faults = SCAN_ERRORS
+
     def __init__(
         self,
         settings: ResolverSettings,
         *,
         metrics: ResolverMetrics | None = None,
         health: Health | None = None,
-        should_stop: Callable[[], bool] = lambda: False,
+        shutdown: Stop | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ResolverMetrics()
-        self.health = health or resolver_health(settings)
-        self.should_stop = should_stop
+        super().__init__(log=log, health=health or resolver_health(settings),
+                         last_loop=self.metrics.last_loop, shutdown=shutdown or Shutdown(),
+                         max_delay=settings.reconnect_max_delay)
         self.lock_class = lock_class(settings.gid_prefix)
         self._conn: psycopg.Connection[Any] | None = None
         self._role = store.SessionRole("", superuser=False)
@@ -89,7 +97,7 @@ class Resolver:
 
     # -- one pass ---------------------------------------------------------------------------
 
-    def resolve_once(self) -> dict[str, str]:
+    def resolve_once(self) -> dict[str, Decision]:
         """One scan; returns {gid: outcome} for every transaction finished in it."""
         conn = self._db()
         prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
@@ -100,7 +108,7 @@ class Resolver:
         locked: list[int] = []
         try:
             candidates = self._candidates(conn, prepared, locked)
-            outcomes: dict[str, str] = {}
+            outcomes: dict[str, Decision] = {}
             # Oldest first (prepared_of_prefix is ordered by prepared time), a window at a time.
             for start in range(0, len(candidates), LEDGER_WINDOW):
                 window = candidates[start:start + LEDGER_WINDOW]
@@ -111,25 +119,25 @@ class Resolver:
                 store.instance_unlock(conn, self.lock_class, instance)
 
     def _resolve(self, conn: psycopg.Connection[Any],
-                 candidates: list[store.PreparedXact]) -> dict[str, str]:
+                 candidates: list[PreparedXact]) -> dict[str, Decision]:
         """Read the ledger for ``candidates`` and finish each of them."""
         since = min(x.prepared for x in candidates) - timedelta(
             seconds=self.settings.ledger_margin)
         committed = self._ledger_gids(since, {
             x.gid: ledger.Expected(x.xid, x.database) for x in candidates})
-        outcomes = {}
+        outcomes: dict[str, Decision] = {}
         for xact in candidates:
             commit = xact.gid in committed
             finished = store.finish_prepared(conn, xact.gid, commit=commit)
-            outcome = ("committed" if commit else "rolled_back") if finished else (
-                "already_finished")
+            outcome = (Decision.COMMITTED if commit else Decision.ROLLED_BACK) if finished else (
+                Decision.ALREADY_FINISHED)
             outcomes[xact.gid] = outcome
             self.metrics.decisions.labels(outcome).inc()
             extra: dict[str, object] = {"action": f"resolved_{outcome}", "gid": xact.gid,
                                         "age_seconds": round(xact.age_seconds, 3)}
             if commit:  # the ledger record says how many messages the batch published
                 extra["batch_size"] = committed[xact.gid]
-            log.info("in-doubt batch %s", outcome.replace("_", " "), extra=extra)
+            log.info("in-doubt batch %s", outcome.value.replace("_", " "), extra=extra)
         return outcomes
 
     def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
@@ -168,8 +176,8 @@ class Resolver:
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
 
-    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[store.PreparedXact],
-                    locked: list[int]) -> list[store.PreparedXact]:
+    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[PreparedXact],
+                    locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit."""
         alive: set[int] = set()
         candidates = []
@@ -244,7 +252,7 @@ class Resolver:
                                            timeout=self.settings.connect_timeout,
                                            application_name="outbox-resolver")
             except TransientError as exc:
-                self.health.set_check("postgresql", str(exc))
+                self.health.set_check(Server.POSTGRESQL, str(exc))
                 raise
             try:
                 store.check_server(self._conn)
@@ -254,18 +262,18 @@ class Resolver:
                 self._conn.close()
                 self._conn = None
                 raise
-            self._mark_up("postgresql")
+            self._mark_up(Server.POSTGRESQL)
         return self._conn
 
     def _connect_amqp(self) -> None:
         try:
             self._amqp.connect()
         except TransientError as exc:
-            self.health.set_check("rabbitmq", str(exc))
+            self.health.set_check(Server.RABBITMQ, str(exc))
             raise
-        self._mark_up("rabbitmq")
+        self._mark_up(Server.RABBITMQ)
 
-    def _mark_up(self, server: str) -> None:
+    def _mark_up(self, server: Server) -> None:
         self.health.set_check(server, None)
         self._connections.up(server)
 
@@ -280,40 +288,42 @@ class Resolver:
             self._conn = None
         self._amqp.close()
 
-    def run(self) -> None:
-        log.info("resolver started", extra={"action": "resolver_started"})
-        failures = 0
-        while not self.should_stop():
-            self.metrics.last_loop.set_to_current_time()
-            self.health.beat()
-            try:
-                if not self._amqp.connected:
-                    self._connect_amqp()
-                self.resolve_once()
-                self.metrics.scans.inc()
-                self.metrics.last_scan.set_to_current_time()
-                if failures:
-                    log.info("resolver recovered", extra={"action": "resolver_recovered"})
-                failures = 0
-                delay = self.settings.interval
-            except SCAN_ERRORS as exc:
-                self.metrics.scan_errors.inc()
-                if failures == 0:
-                    log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
-                failures += 1
-                # Name the server that failed the scan; close() then drops both connections.
-                if isinstance(exc, psycopg.Error):
-                    self.health.set_check("postgresql", f"scan failed: {exc}")
-                elif not self._amqp.connected:
-                    self.health.set_check("rabbitmq", f"scan failed: {exc}")
-                self.close()
-                delay = min(RECONNECT_INITIAL_DELAY * 2 ** min(failures, 16),
-                            self.settings.reconnect_max_delay) * random.uniform(0.5, 1.0)
-            self._sleep(delay)
-        self.health.stopping()
-        self.close()
-        log.info("resolver stopped", extra={"action": "resolver_stopped"})
+    def turn(self) -> float:
+        """One scan; the next comes after OUTBOX_RESOLVER_INTERVAL."""
+        if not self._amqp.connected:
+            self._connect_amqp()
+        self.resolve_once()
+        self.metrics.scans.inc()
+        self.metrics.last_scan.set_to_current_time()
+        return self.settings.interval
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait for the next scan (or to retry); the wait beats the liveness probe."""
-        self.health.wait(seconds, self.should_stop)
+    def on_fault(self, exc: BaseException, failures: int) -> None:
+        self.metrics.scan_errors.inc()
+        if failures == 1:
+            log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
+        # Name the server that failed the scan; close() then drops both connections.
+        if isinstance(exc, psycopg.Error):
+            self.health.set_check(Server.POSTGRESQL, f"scan failed: {exc}")
+        elif not self._amqp.connected:
+            self.health.set_check(Server.RABBITMQ, f"scan failed: {exc}")
+        self.close()
+
+    def on_recovered(self) -> None:
+        log.info("resolver recovered", extra={"action": "resolver_recovered"})
+
+    def pause(self, seconds: float) -> None:
+        """Wait for the next scan; the wait ends as soon as a relay dies holding a prepared
+        batch (resolver/watch.py): takeover in a fraction of a second, not at the next scan.
+        Waits to retry after a fault (Loop.sleep) do not watch."""
+        interval, conn = self.settings.watch_interval, self._conn
+        if interval <= 0 or conn is None:
+            self.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not self.shutdown.requested and time.monotonic() < deadline:
+            self.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            try:
+                if relay_gone(conn, self.settings.gid_prefix, self.lock_class, self._not_ours):
+                    return
+            except psycopg.Error:
+                return  # the scan that follows meets the same error and handles it

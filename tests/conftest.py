@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +20,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay import worker
+from relay import backoff
 from relay.config import RelaySettings, ResolverSettings
 from relay.migrate import migrate
 from relay.queries import Tables
@@ -33,7 +32,7 @@ pytest_plugins = ["tests.fix_proxy"]
 ROOT = Path(__file__).resolve().parent.parent
 
 # Reconnect backoff shrunk for tests (psycopg_pool style).
-worker.RECONNECT_INITIAL_DELAY = 0.05
+backoff.INITIAL_DELAY = 0.05
 
 
 @dataclass
@@ -96,25 +95,17 @@ class Env:
         return ResolverSettings(**values)
 
     def cli_env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({
-            "OUTBOX_DATABASE_URL": self.db_url, "OUTBOX_AMQP_URL": self.amqp_url,
+        return launch.program_env(self.db_url, self.amqp_url, **{
             "OUTBOX_TABLE": self.table, "OUTBOX_GID_PREFIX": self.gid_prefix,
-            "OUTBOX_LEDGER_STREAM": self.ledger_stream, "OUTBOX_METRICS_PORT": "0",
-            "OUTBOX_RETRY_BASE_DELAY": "0.05", "OUTBOX_RETRY_MAX_DELAY": "0.2",
-            "PYTHONPATH": str(ROOT),
-        })
-        env.update(extra)
-        return env
+            "OUTBOX_LEDGER_STREAM": self.ledger_stream, "OUTBOX_RETRY_BASE_DELAY": "0.05",
+            "OUTBOX_RETRY_MAX_DELAY": "0.2", **extra})
 
     def spawn(self, program: str, *args: str, **extra_env: str) -> subprocess.Popen[bytes]:
         """Run ``python -m relay|resolver`` as a real process (its stderr to a log file)."""
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.gid_prefix}-{program}-"  # noqa: SIM115
-                   f"{len(self.processes)}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", program, *args], env=self.cli_env(**extra_env),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        log.close()
-        proc.log_path = log.name  # type: ignore[attr-defined]
+        log_path = (Path(os.environ.get("TMPDIR", "/tmp"))
+                    / f"{self.gid_prefix}-{program}-{len(self.processes)}.log")
+        proc = launch.launch(program, self.cli_env(**extra_env), log_path, *args)
+        proc.log_path = str(log_path)  # type: ignore[attr-defined]
         self.processes.append(proc)
         return proc
 

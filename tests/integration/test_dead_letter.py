@@ -32,7 +32,7 @@ def dead_letters(env: Env) -> dict[str, tuple[int, str]]:
 def run_until_empty(env: Env, relay: Any, *, rounds: int = 400) -> None:
     with env.connect() as conn:
         for _ in range(rounds):
-            relay._ensure_connected()  # as the loop does before every batch
+            relay.ensure_connected()  # as the loop does before every batch
             relay.run_batch()
             row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
                 Tables(env.table).outbox)).fetchone()

@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 
 from devenv import checker
 from relay.queries import Tables
+from relay.signals import Shutdown
 from tests.conftest import Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 from tests.integration.test_smoke_pipeline import make_relay
@@ -275,11 +276,11 @@ def test_unknown_poison_row_that_kills_the_connection(env: Env, no_frame_check: 
     tail = normal(env, "tail")
     relay_ = make_relay(env, batch_size=20, max_attempts=3, retry_base_delay=0.01,
                         retry_max_delay=0.05, reconnect_max_delay=0.2)
-    stop_event = threading.Event()
+    shutdown = Shutdown()
+    relay_.shutdown = shutdown
     errors: list[BaseException] = []
 
     def run() -> None:
-        relay_.should_stop = stop_event.is_set
         try:
             relay_.run()
         except BaseException as exc:
@@ -292,7 +293,7 @@ def test_unknown_poison_row_that_kills_the_connection(env: Env, no_frame_check: 
                    "the outbox to empty")
         assert thread.is_alive() and not errors, errors
     finally:
-        stop_event.set()
+        shutdown.request()
         thread.join(30)
     dead = dead_letters(env)
     assert set(dead) == {"poison"}
@@ -313,7 +314,7 @@ def test_lag_metric_survives_every_created_at(env: Env) -> None:
                 " VALUES (%s, 'k', '{{}}', %s::timestamptz, 'infinity')").format(
                 Tables(env.table).outbox), (f"t{n}", value))
     relay_ = make_relay(env)
-    relay_._ensure_connected()
+    relay_.ensure_connected()
     try:
         backlog, lag = relay_.store.stats()
     finally:

@@ -20,7 +20,7 @@ def make_relay(env: Env, **overrides: object) -> Relay:
 
 
 def drain_relay(relay: Relay, max_batches: int = 10_000) -> None:
-    relay._ensure_connected()
+    relay.ensure_connected()
     for _ in range(max_batches):
         if relay.run_batch() == 0:
             return

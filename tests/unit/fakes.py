@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import psycopg
+
 from relay.errors import TransientError
-from relay.publisher import Message, PublishResult
-from relay.store import OutboxRow, is_connection_error
+from relay.model import Failure, Message, OutboxRow, PublishResult, Reason
+from relay.store import is_connection_error, translate
 
 CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
@@ -92,7 +94,11 @@ class _Scripted:
             return
         if fault.disconnect:
             self._lose_connection()
-        raise fault.exc
+        raise self._translate(fault.exc)
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        """The error as the real adapter lets it out."""
+        return exc
 
     def _lose_connection(self) -> None:
         self.is_connected = False
@@ -177,6 +183,11 @@ class FakeStore(_Scripted):
 
     # -- test helpers ------------------------------------------------------------------------
 
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        # The real store lets no psycopg error out: tests script driver errors, the relay
+        # sees relay.errors, as from relay.store.OutboxStore.
+        return translate(exc) if isinstance(exc, psycopg.Error) else exc
     def add(self, *, routing_key: str = "event.created", exchange: str = "events",
             payload: str | None = '{"n": 1}', payload_bytes: bytes | None = None,
             headers: Any = None, content_type: str | None = None, message_id: str | None = None,
@@ -416,11 +427,12 @@ class FakePublisher(_Scripted):
         self._enter("idle", "idle", needs_connection=False, seconds=seconds)
         self.idles.append(seconds)
 
-    def missing_exchanges(self, names: set[str]) -> dict[str, str]:
+    def missing_exchanges(self, names: set[str]) -> dict[str, Failure]:
         fault = self._enter("missing_exchanges", "missing_exchanges", names=set(names))
         self.exchange_checks.append(set(names))
         self._raise(fault)
-        return {name: f"exchange {name!r} not found (404 NOT_FOUND - no exchange {name!r} in vhost '/')"
+        return {name: Failure(Reason.EXCHANGE_NOT_FOUND, f"exchange {name!r} not found "
+                              f"(404 NOT_FOUND - no exchange {name!r} in vhost '/')")
                 for name in names if name in self.missing}
 
     def publish_batch(self, messages: Sequence[Message],
@@ -430,7 +442,7 @@ class FakePublisher(_Scripted):
         result = PublishResult()
         pending: set[int] = set()
         nacked = 0
-        stopped: str | None = None
+        stopped: Failure | None = None
         for message in messages:
             self.published.append(message)
             outcome = self._outcome(message.row_id)
@@ -440,15 +452,17 @@ class FakePublisher(_Scripted):
             elif outcome is Outcome.NACK:
                 nacked += 1  # as the real one: the batch fails, no row is blamed
             elif outcome is Outcome.RETURN:
-                result.failed[message.row_id] = (
+                result.failed[message.row_id] = Failure(Reason.UNROUTABLE, (
                     f"unroutable: 312 NO_ROUTE (exchange {message.exchange!r}, "
-                    f"routing key {message.routing_key!r})")
+                    f"routing key {message.routing_key!r})"))
             elif outcome is Outcome.TIMEOUT:
                 pending.add(message.row_id)
             else:
-                stopped = CHANNEL_CLOSED if outcome is Outcome.CLOSE_CHANNEL else None
-                result.transient = (None if stopped else
-                                    "RabbitMQ connection lost: ConnectionResetError")
+                stopped = (Failure(Reason.CHANNEL_CLOSED, CHANNEL_CLOSED)
+                           if outcome is Outcome.CLOSE_CHANNEL else None)
+                result.transient = None if stopped else Failure(
+                    Reason.CONNECTION_LOST, "RabbitMQ connection lost: ConnectionResetError",
+                    in_flight_lost=True)
                 self._lose_connection()
                 break
         if while_waiting is not None and stopped is None and result.transient is None:
@@ -457,10 +471,12 @@ class FakePublisher(_Scripted):
         if stopped is not None:
             result.suspect.update(dict.fromkeys(sorted(unconfirmed), stopped))
         elif pending and result.transient is None:
-            result.transient = f"no confirm within {self.confirm_timeout:g} s"
+            result.transient = Failure(Reason.CONFIRM_TIMEOUT,
+                                       f"no confirm within {self.confirm_timeout:g} s",
+                                       in_flight_lost=True)
             self._lose_connection()
         if nacked and result.transient is None:
-            result.transient = f"nacked by the broker ({nacked} messages)"
+            result.transient = Failure(Reason.NACKED, f"nacked by the broker ({nacked} messages)")
             self._lose_connection()  # the real one reopens its connection after a nack
         self._raise(fault)
         return result
@@ -476,3 +492,20 @@ class FakePublisher(_Scripted):
         self.records.append(body)
         self.ledger.append(LedgerRecord(gid, body["count"], body["relay"], body["xid"]))
         self._raise(fault)
+
+
+class StopWhen:
+    """A shutdown (``relay.signals.Stop``) that stops once ``predicate()`` is true and records
+    the loop's waits instead of sleeping them."""
+
+    def __init__(self, predicate: Callable[[], bool] = lambda: False) -> None:
+        self.predicate = predicate
+        self.waits: list[float] = []
+
+    @property
+    def requested(self) -> bool:
+        return self.predicate()
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return self.requested

@@ -17,7 +17,6 @@ from relay.config import (
     RESOLVER_OPTIONS,
     RelaySettings,
     ResolverSettings,
-    redact_url,
     resolve,
 )
 from relay.errors import ConfigError
@@ -343,35 +342,6 @@ def test_equal_min_and_max_are_accepted() -> None:
                              poll_max_interval=0.5, retry_base_delay=2.0, retry_max_delay=2.0)
 
     assert settings.poll_min_interval == settings.poll_max_interval == 0.5
-
-
-# -- redaction --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("url", "shown"), [
-    ("postgresql://relay:hunter2@db:5432/app", "postgresql://relay:***@db:5432/app"),
-    ("amqp://guest:guest@mq:5672/%2F?heartbeat=30", "amqp://guest:***@mq:5672/%2F?heartbeat=30"),
-    ("postgresql://relay:p@ss@db/app", "postgresql://relay:***@db/app"),
-    ("amqp://:token@mq/", "amqp://:***@mq/"),
-    ("postgresql://relay:pw@[::1]:5432/app", "postgresql://relay:***@[::1]:5432/app"),
-])
-def test_redact_url_replaces_the_password(url: str, shown: str) -> None:
-    assert redact_url(url) == shown
-
-
-@pytest.mark.parametrize("url", ["postgresql://relay@db/app", "postgresql://db/app",
-                                 "amqp://mq", "postgresql:///app?host=/tmp"])
-def test_redact_url_keeps_urls_without_password(url: str) -> None:
-    assert redact_url(url) == url
-
-
-def test_redact_url_hides_the_password_of_unparsable_urls() -> None:
-    assert redact_url("postgresql://u:pw@[::1/app") == "postgresql://u:***@[::1/app"
-
-
-@pytest.mark.parametrize("url", ["postgresql://relay:s3cr#et@db/app", "postgresql://relay:s3cr?et@db/app"])
-def test_redact_url_never_shows_a_password_with_url_delimiters(url: str) -> None:
-    assert "s3cr" not in redact_url(url)
 
 
 @pytest.mark.parametrize(("query", "reason"), [

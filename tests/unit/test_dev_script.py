@@ -68,7 +68,7 @@ def test_the_test_suite_gets_promtool_and_its_dependencies(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("command", "extras"), [("chaos", "."), ("bench", ".[bench]"),
-                                                 ("docs", ".[test]"), ("lint", ".[test]")])
+                                                 ("docs", ".[test]"), ("lint", ".[test,bench]")])
 def test_other_commands_install_their_own_extras(tmp_path: Path, command: str, extras: str) -> None:
     calls = run_setup(tmp_path, command)
     assert f"pip -m pip install -q -e {extras}" in calls

@@ -163,6 +163,35 @@ def test_text_line_masks_passwords() -> None:
     assert text.count("amqp://relay:***@h/") == 2
 
 
+# -- URLs in any text (the cases of the former config.redact_url) ------------------------------
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://relay:hunter2@db:5432/app", "postgresql://relay:***@db:5432/app"),
+    ("amqp://guest:guest@mq:5672/%2F?heartbeat=30", "amqp://guest:***@mq:5672/%2F?heartbeat=30"),
+    ("postgresql://relay:p@ss@db/app", "postgresql://relay:***@db/app"),
+    ("amqp://:token@mq/", "amqp://:***@mq/"),
+    ("postgresql://relay:pw@[::1]:5432/app", "postgresql://relay:***@[::1]:5432/app"),
+])
+def test_redact_url_replaces_the_password(url: str, shown: str) -> None:
+    assert logs.redact(url) == shown
+
+
+@pytest.mark.parametrize("url", ["postgresql://relay@db/app", "postgresql://db/app",
+                                 "amqp://mq", "postgresql:///app?host=/tmp"])
+def test_redact_url_keeps_urls_without_password(url: str) -> None:
+    assert logs.redact(url) == url
+
+
+def test_redact_url_hides_the_password_of_unparsable_urls() -> None:
+    assert logs.redact("postgresql://u:pw@[::1/app") == "postgresql://u:***@[::1/app"
+
+
+@pytest.mark.parametrize("url", ["postgresql://relay:s3cr#et@db/app", "postgresql://relay:s3cr?et@db/app"])
+def test_redact_url_never_shows_a_password_with_url_delimiters(url: str) -> None:
+    assert "s3cr" not in logs.redact(url)
+
+
 # -- the declared actions (relay/log_actions.py, docs/operations.md) are the code's -----------
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,11 +202,14 @@ def code_actions() -> set[str]:
     for path in [*ROOT.joinpath("relay").glob("*.py"), *ROOT.joinpath("resolver").glob("*.py")]:
         text = path.read_text("utf-8")
         found |= set(re.findall(r'"action": "([a-z_]+)"', text))
-        # The two f-string families, one action per outcome.
+        # The f-string families, one action per outcome.
         if 'f"batch_{outcome}"' in text:
             found |= {"batch_committed", "batch_rolled_back"}
         if 'f"resolved_{outcome}"' in text:
             found |= {"resolved_committed", "resolved_rolled_back", "resolved_already_finished"}
+        if 'f"{self.program}_started"' in text:  # relay/loop.py, for both programs
+            found |= {f"{program}_{event}" for program in ("relay", "resolver")
+                      for event in ("started", "stopped")}
     return found
 
 

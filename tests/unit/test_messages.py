@@ -18,8 +18,7 @@ from relay.messages import (
     publish_problem,
     to_message,
 )
-from relay.publisher import Message
-from relay.store import OutboxRow
+from relay.model import Message, OutboxRow, Unpublishable
 
 CREATED = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
 _MISSING = object()
@@ -56,8 +55,8 @@ def error(max_bytes: int = 1000, frame_max: int = 131072, ledger_stream: str | N
           **changes: Any) -> str:
     built = to_message(row(**changes), max_bytes=max_bytes, frame_max=frame_max,
                        ledger_stream=ledger_stream)
-    assert isinstance(built, str), built
-    return built
+    assert isinstance(built, Unpublishable), built
+    return built.reason
 
 
 # -- bodies and content types -----------------------------------------------------------------
@@ -146,7 +145,7 @@ def test_short_strings_up_to_255_bytes_are_accepted(field: str) -> None:
 def test_short_strings_over_255_bytes_are_refused(field: str) -> None:
     built = to_message(row(**{field: "x" * (SHORTSTR_MAX + 1)}), max_bytes=1000)
 
-    assert built == f"{field} is longer than 255 bytes"
+    assert built == Unpublishable(f"{field} is longer than 255 bytes")
 
 
 def test_short_string_limit_counts_bytes_not_characters() -> None:
@@ -262,7 +261,8 @@ def test_header_frame_limit_is_exact() -> None:
     size = len(pika.frame.Header(1, len(built.body), built.properties).marshal())
 
     assert isinstance(to_message(row(headers=headers), max_bytes=1000, frame_max=size), Message)
-    assert isinstance(to_message(row(headers=headers), max_bytes=1000, frame_max=size - 1), str)
+    assert isinstance(to_message(row(headers=headers), max_bytes=1000, frame_max=size - 1),
+                      Unpublishable)
 
 
 @pytest.mark.parametrize("text", ["not json", '{"a": 1', '{"a": NaN}'])
@@ -348,7 +348,7 @@ def test_publish_problem_names_the_field_at_fault(changes: dict[str, Any], field
 def test_publish_problem_agrees_with_to_message() -> None:
     for headers in ({"ok": 1}, {"big": 2**70}, {"k" * 256: 1}, [], {"h": "x" * 200_000}):
         built = to_message(row(headers=headers), max_bytes=1000)
-        expected = built if isinstance(built, str) else None
+        expected = built.reason if isinstance(built, Unpublishable) else None
         # The relay stamps the row's ordering key and id into its headers; a producer passes
         # them the same way (relay.producer), so both measure the same header frame.
         stamped = message_headers(headers, "order-1", 7)

@@ -15,7 +15,7 @@ import outbox_relay
 from outbox_relay import ConfigError, Event, InvalidEvent, enqueue, enqueue_many
 from relay import caller
 from relay.messages import to_message
-from relay.store import OutboxRow
+from relay.model import OutboxRow, Unpublishable
 
 NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
 
@@ -61,9 +61,9 @@ def relay_reason(max_bytes: int = outbox_relay.DEFAULT_MAX_MESSAGE_BYTES, *,
                                   content_type=None, created_epoch=NOW.timestamp(),
                                   created_at=NOW.isoformat(), attempts=0)
     values.update(changes)
-    reason = to_message(OutboxRow(**values), max_bytes=max_bytes, ledger_stream="outbox.ledger")
-    assert isinstance(reason, str), reason
-    return reason
+    built = to_message(OutboxRow(**values), max_bytes=max_bytes, ledger_stream="outbox.ledger")
+    assert isinstance(built, Unpublishable), built
+    return built.reason
 
 
 # -- the relay's rules, the relay's reasons ---------------------------------------------------

@@ -77,4 +77,4 @@ def test_a_message_pika_cannot_encode_fails_alone_and_uses_no_delivery_tag() -> 
     pub._publish_all(messages)
     assert list(pub._pending.items()) == [(1, 1), (2, 3)]  # tags stay aligned with the broker's
     assert set(pub._result.failed) == {2}
-    assert pub._result.failed[2].startswith("cannot be encoded: error(")
+    assert pub._result.failed[2].detail.startswith("cannot be encoded: error(")

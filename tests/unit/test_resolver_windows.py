@@ -11,7 +11,7 @@ import pytest
 from relay import ledger, store
 from relay.config import ResolverSettings
 from relay.gid import Gid
-from relay.store import PreparedXact
+from relay.model import PreparedXact
 from resolver import worker
 from resolver.worker import Resolver
 

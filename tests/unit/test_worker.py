@@ -12,10 +12,10 @@ import pytest
 
 from relay import ledger
 from relay.config import RelaySettings
-from relay.errors import BatchFailed, LedgerMissing, TransientError
+from relay.errors import BatchFailed, ConnectionLost, DatabaseError, LedgerMissing, TransientError
 from relay.gid import Gid, lock_class
 from relay.metrics import RelayMetrics
-from relay.worker import Relay, failure_reason
+from relay.worker import Relay
 from tests.unit.fakes import (
     CHANNEL_CLOSED,
     FakePublisher,
@@ -23,6 +23,7 @@ from tests.unit.fakes import (
     LedgerRecord,
     Outcome,
     RawHeaders,
+    StopWhen,
 )
 
 INSTANCE = 0xABC
@@ -39,11 +40,16 @@ class Rig:
     publisher: FakePublisher
     journal: list[str]
     faults: list[str] = field(default_factory=list)
-    sleeps: list[float] = field(default_factory=list)
+    shutdown: StopWhen = field(default_factory=StopWhen)
+
+    @property
+    def sleeps(self) -> list[float]:
+        """The loop's backoff waits."""
+        return self.shutdown.waits
 
     def step(self) -> int:
         """One turn of the loop without its error handling: reconnect, then one batch."""
-        self.relay._ensure_connected()
+        self.relay.ensure_connected()
         return self.relay.run_batch()
 
     def metric(self, name: str, **labels: str) -> float:
@@ -61,6 +67,12 @@ class Rig:
 
     def dead_lettered(self, reason: str) -> float:
         return self.metric("outbox_relay_dead_lettered_total", reason=reason)
+
+    @property
+    def decision(self) -> tuple[str, bool] | None:
+        """(gid, commit) of the batch whose decision waits for PostgreSQL, if any."""
+        unfinished = self.relay.unfinished
+        return None if unfinished is None else (unfinished.gid, unfinished.commit)
 
     def gid(self, sequence: int) -> str:
         return str(Gid(self.relay.settings.gid_prefix, INSTANCE, sequence))
@@ -85,12 +97,12 @@ def make_rig(monkeypatch: pytest.MonkeyPatch, *, missing: set[str] | None = None
         if point == crash_at:
             raise Crash(point)
 
+    shutdown = StopWhen()
     relay = Relay(RelaySettings(**values), store, publisher, metrics=RelayMetrics(), fault=fault,
-                  instance=INSTANCE)
-    rig = Rig(relay, store, publisher, journal, faults)
-    monkeypatch.setattr(relay, "_sleep", rig.sleeps.append)
+                  shutdown=shutdown, instance=INSTANCE)
+    rig = Rig(relay, store, publisher, journal, faults, shutdown)
     if connect:
-        relay._ensure_connected()
+        relay.ensure_connected()
         journal.clear()
     return rig
 
@@ -126,7 +138,7 @@ def test_clean_batch_empties_the_outbox_and_leaves_no_prepared_transaction(rig: 
     assert rig.store.rows == {}
     assert rig.store.prepared == {}
     assert rig.store.open is None
-    assert rig.relay._unfinished is None
+    assert rig.relay.unfinished is None
 
 
 def test_clean_batch_publishes_rows_in_id_order_with_their_message_ids(rig: Rig) -> None:
@@ -496,8 +508,8 @@ def test_unexpected_ledger_error_leaves_the_rollback_decision(rig: Rig) -> None:
 
     with pytest.raises(RuntimeError):
         rig.relay.run_batch()
-    assert rig.relay._unfinished == (rig.gid(1), False)
-    rig.relay._ensure_connected()
+    assert rig.decision == (rig.gid(1), False)
+    rig.relay.ensure_connected()
 
     assert "commit_prepared" not in rig.journal
     assert rig.journal[-1] == "rollback_prepared"
@@ -617,7 +629,7 @@ def test_postgres_lost_during_commit_prepared_keeps_the_commit_decision(rig: Rig
     with pytest.raises(TransientError, match="PostgreSQL connection lost finishing outbox:00000abc:1"):
         rig.relay.run_batch()
 
-    assert rig.relay._unfinished == (rig.gid(1), True)
+    assert rig.decision == (rig.gid(1), True)
     assert list(rig.store.prepared) == [rig.gid(1)]
     assert rig.batches("committed") == 0
 
@@ -629,12 +641,12 @@ def test_commit_decision_is_applied_after_reconnecting(rig: Rig) -> None:
         rig.relay.run_batch()
     rig.journal.clear()
 
-    rig.relay._ensure_connected()
+    rig.relay.ensure_connected()
 
     assert rig.journal == ["pg_connect", "commit_prepared"]
     assert rig.store.prepared == {}
     assert rig.store.rows == {}
-    assert rig.relay._unfinished is None
+    assert rig.relay.unfinished is None
     assert rig.batches("committed") == 1
 
 
@@ -645,8 +657,8 @@ def test_postgres_lost_during_rollback_prepared_applies_the_rollback_later(rig: 
 
     with pytest.raises(TransientError):
         rig.relay.run_batch()
-    assert rig.relay._unfinished == (rig.gid(1), False)
-    rig.relay._ensure_connected()
+    assert rig.decision == (rig.gid(1), False)
+    rig.relay.ensure_connected()
 
     assert rig.store.called("finish")[-1] == {"gid": rig.gid(1), "commit": False}
     assert sorted(rig.store.rows) == ids
@@ -659,10 +671,10 @@ def test_commit_whose_reply_was_lost_counts_as_finished_elsewhere(rig: Rig) -> N
     with pytest.raises(TransientError):
         rig.relay.run_batch()
 
-    rig.relay._ensure_connected()
+    rig.relay.ensure_connected()
 
     assert rig.store.rows == {}
-    assert rig.relay._unfinished is None
+    assert rig.relay.unfinished is None
     assert rig.batches("finished_elsewhere") == 1
 
 
@@ -670,10 +682,10 @@ def test_non_connection_database_error_in_finish_is_raised_as_is(rig: Rig) -> No
     rig.store.add()
     rig.store.fail("finish", psycopg.errors.InsufficientPrivilege("permission denied"))
 
-    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+    with pytest.raises(DatabaseError, match="permission denied"):
         rig.relay.run_batch()
 
-    assert rig.relay._unfinished == (rig.gid(1), True)
+    assert rig.decision == (rig.gid(1), True)
 
 
 def test_finish_returning_false_is_counted_as_finished_elsewhere(rig: Rig) -> None:
@@ -684,7 +696,7 @@ def test_finish_returning_false_is_counted_as_finished_elsewhere(rig: Rig) -> No
 
     assert rig.batches("finished_elsewhere") == 1
     assert rig.batches("committed") == 0
-    assert rig.relay._unfinished is None
+    assert rig.relay.unfinished is None
     assert rig.store.rows == {}
 
 
@@ -703,10 +715,10 @@ def test_rollback_finished_elsewhere_still_settles_the_failures(rig: Rig) -> Non
 def test_batch_prepared_when_the_connection_dropped_is_finished_after_reconnecting(rig: Rig) -> None:
     rig.store.add_many(2)
     rig.store.fail("prepare", psycopg.OperationalError("connection lost"), apply=True)
-    with pytest.raises(psycopg.OperationalError):
+    with pytest.raises(ConnectionLost):
         rig.relay.run_batch()
 
-    rig.relay._ensure_connected()
+    rig.relay.ensure_connected()
 
     assert rig.store.prepared == {}
     assert sorted(rig.store.rows) == [1, 2]
@@ -718,12 +730,12 @@ def test_prepare_refused_by_the_server_leaves_nothing_to_finish(rig: Rig) -> Non
     rig.store.add_many(2)
     rig.store.fail("prepare", psycopg.errors.OutOfMemory("maximum number of prepared "
                                                          "transactions reached"), disconnect=False)
-    with pytest.raises(psycopg.Error):
+    with pytest.raises(DatabaseError, match="maximum number"):
         rig.relay.run_batch()
 
-    assert rig.relay._unfinished is None
-    rig.relay._connection_fault(psycopg.errors.OutOfMemory("again"))
-    rig.relay._ensure_connected()
+    assert rig.relay.unfinished is None
+    rig.relay.on_fault(DatabaseError("again", sqlstate="53200"))
+    rig.relay.ensure_connected()
 
     assert rig.store.called("finish") == []
     assert rig.batches("finished_elsewhere") == 0
@@ -762,8 +774,8 @@ def test_interruption_at_a_crash_point_leaves_the_right_decision(
 
     with pytest.raises(Crash):
         rig.relay.run_batch()
-    assert rig.relay._unfinished == (rig.gid(1), commit)
-    rig.relay._ensure_connected()
+    assert rig.decision == (rig.gid(1), commit)
+    rig.relay.ensure_connected()
 
     assert rig.store.called("finish")[-1] == {"gid": rig.gid(1), "commit": commit}
     assert (rig.store.rows == {}) is commit
@@ -776,25 +788,11 @@ def test_interruption_after_claim_leaves_no_decision(monkeypatch: pytest.MonkeyP
     with pytest.raises(Crash):
         rig.relay.run_batch()
 
-    assert rig.relay._unfinished is None
+    assert rig.relay.unfinished is None
     assert rig.store.prepared == {}
 
 
 # -- failure reasons and logs -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("error", "reason"), [
-    ("unroutable: 312 NO_ROUTE", "unroutable"),
-    ("nacked by the broker", "nacked"),
-    ("exchange 'x' not found (404)", "exchange_not_found"),
-    (CHANNEL_CLOSED, "channel_closed"),
-    ("no confirm within 30 s", "confirm_timeout"),
-    ("ledger: ledger record not confirmed", "ledger"),
-    ("RabbitMQ connection lost: ConnectionResetError", "connection_lost"),
-    ("unconfirmed messages", "connection_lost"),
-])
-def test_failure_reason_maps_errors_to_bounded_labels(error: str, reason: str) -> None:
-    assert failure_reason(error) == reason
 
 
 def test_failed_and_dead_lettered_rows_are_logged_with_their_action(
@@ -816,7 +814,7 @@ def test_failed_and_dead_lettered_rows_are_logged_with_their_action(
 
 def run_loop(rig: Rig, claims: int) -> None:
     """Run ``Relay.run`` until the store has seen ``claims`` claims."""
-    rig.relay.should_stop = lambda: len(rig.store.called("claim")) >= claims
+    rig.shutdown.predicate = lambda: len(rig.store.called("claim")) >= claims
     rig.relay.run()
 
 
@@ -952,8 +950,8 @@ def test_reconnect_retries_a_failing_connect(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("relay.worker.RECONNECT_INITIAL_DELAY", 1.0)
-    monkeypatch.setattr("relay.worker.random.uniform", lambda _a, _b: 1.0)
+    monkeypatch.setattr("relay.backoff.INITIAL_DELAY", 1.0)
+    monkeypatch.setattr("random.uniform", lambda _low, high: high)  # the top of full jitter
     rig = make_rig(monkeypatch, reconnect_max_delay=3.0)
     for _ in range(4):
         rig.store.fail("claim", psycopg.OperationalError("connection lost"))
@@ -994,7 +992,7 @@ def test_a_crash_during_the_confirms_leaves_one_batch_in_doubt_and_the_next_unpr
         rig.relay.run_batch()
 
     assert list(rig.store.prepared) == [rig.gid(1)]
-    assert rig.relay._unfinished == (rig.gid(1), False)
+    assert rig.decision == (rig.gid(1), False)
     # The claim made ahead is an open transaction: the dying session rolls it back.
     assert rig.store.open is not None and sorted(rig.store.open.claimed) == [3, 4]
 
@@ -1007,12 +1005,12 @@ def test_a_failed_claim_ahead_is_raised_once_this_batch_is_committed(
     rig.store.before("claim", lambda: rig.store.fail(
         "claim", psycopg.DatabaseError("canceling statement"), disconnect=False))
 
-    with pytest.raises(psycopg.DatabaseError):
+    with pytest.raises(DatabaseError, match="canceling statement"):
         rig.relay.run_batch()
 
     assert rig.store.called("finish") == [{"gid": rig.gid(1), "commit": True}]
-    assert rig.store.prepared == {} and rig.relay._unfinished is None
-    assert rig.relay._ahead is None
+    assert rig.store.prepared == {} and rig.relay.unfinished is None
+    assert rig.relay.claimed_ahead == []
     assert sorted(rig.store.rows) == [3, 4]
 
 
@@ -1035,7 +1033,7 @@ def test_a_failed_batch_keeps_the_claim_made_ahead(monkeypatch: pytest.MonkeyPat
 def test_no_claim_ahead_once_asked_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)
     rig.store.add_many(4)
-    rig.relay.should_stop = lambda: True
+    rig.shutdown.predicate = lambda: True
 
     rig.relay.run_batch()
 
@@ -1047,11 +1045,11 @@ def test_a_connection_fault_forgets_the_claim_made_ahead(monkeypatch: pytest.Mon
     rig = make_rig(monkeypatch, batch_size=2)
     rig.store.add_many(4)
     rig.relay.run_batch()
-    assert rig.relay._ahead
+    assert rig.relay.claimed_ahead
 
-    rig.relay._connection_fault(psycopg.OperationalError("server closed the connection"))
+    rig.relay.on_fault(ConnectionLost("server closed the connection"))
 
-    assert rig.relay._ahead is None
+    assert rig.relay.claimed_ahead == []
     assert rig.store.open is None  # closed with the session: the rows are free again
     assert sorted(rig.store.rows) == [3, 4]
 
@@ -1083,7 +1081,7 @@ def test_a_bad_row_in_the_batch_claimed_ahead_is_handled_in_its_own_batch(
     last = rig.store.add()
 
     rig.relay.run_batch()  # claims [bad, last] ahead, after this batch's PREPARE
-    assert [r.id for r in rig.relay._ahead or []] == [bad, last]
+    assert [r.id for r in rig.relay.claimed_ahead] == [bad, last]
     rig.relay.run_batch()
 
     assert rig.publisher.published_ids() == [*first, last]
@@ -1149,7 +1147,7 @@ def test_lost_connections_in_a_row_count_an_attempt_for_every_unconfirmed_row(
     assert third["attributed"] == []  # not yet anyone's own fault
 
     for _ in range(40):
-        if not rig.store.rows and not rig.relay._ahead:
+        if not rig.store.rows and not rig.relay.claimed_ahead:
             break
         rig.step()
 
@@ -1179,8 +1177,7 @@ def test_a_committed_batch_resets_the_lost_connection_streak(rig: Rig) -> None:
     rig.publisher.script(flaky, Outcome.LOSE_CONNECTION, times=2)
     rig.step()
     rig.step()
-    rig.step()  # commits
-    assert rig.relay._lost_streak == 0
+    rig.step()  # commits, and so ends the streak
     other = rig.store.add()
     rig.publisher.script(other, Outcome.LOSE_CONNECTION, times=1)
 
@@ -1211,10 +1208,11 @@ def test_a_batch_stops_at_its_byte_budget_but_takes_one_row_at_least(
 def test_the_batch_claimed_ahead_gets_what_is_left_of_the_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2, batch_max_bytes=10_000, max_message_bytes=5000)
-    rig.store.add_many(4, payload_bytes=b"z" * 1000)
+    ids = rig.store.add_many(4, payload_bytes=b"z" * 1000)
+    first_batch_bytes = sum(rig.store.rows[i].claimed().row_bytes for i in ids[:2])
 
     rig.relay.run_batch()
 
     _first, ahead = rig.store.called("claim")
-    assert rig.relay._batch_bytes > 2000
-    assert ahead["max_bytes"] == 10_000 - rig.relay._batch_bytes
+    assert first_batch_bytes > 2000
+    assert ahead["max_bytes"] == 10_000 - first_batch_bytes

@@ -1,0 +1,30 @@
+"""Launch a relay or resolver of this checkout as a process with a clean environment: the one
+helper of the tests, the benchmark, the demo, the chaos run and the memory run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def program_env(database_url: str, amqp_url: str, **settings: str) -> dict[str, str]:
+    """This process's environment without any OUTBOX_ setting of its own (a developer's shell
+    must not leak into a run), plus the servers, metrics on a free port, this checkout
+    importable, and ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"OUTBOX_DATABASE_URL": database_url, "OUTBOX_AMQP_URL": amqp_url,
+                "OUTBOX_METRICS_PORT": "0", "PYTHONPATH": str(ROOT)})
+    env.update(settings)
+    return env
+
+
+def launch(module: str, env: dict[str, str], log_path: Path, *args: str,
+           append: bool = False) -> subprocess.Popen[bytes]:
+    """``python -m module args`` from the checkout, its output to ``log_path``."""
+    with open(log_path, "ab" if append else "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)

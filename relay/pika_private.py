@@ -1,0 +1,80 @@
+"""Every use of pika's private names, fenced in one module.
+
+pika's blocking layer waits one round trip per confirmed publish; the relay drives pika's
+asynchronous core under it instead (many confirms in flight), bounds closes a black-holed broker
+never answers, batches socket writes and closes stream consumers without basic.reject. That needs
+names pika does not promise to keep. They are used only here, and
+tests/unit/test_pika_private.py fails loudly on a pika release that renames or drops any of
+them; pyproject.toml pins the range tested. pika ships no type hints and the stubs published for
+it (types-pika, pika-stubs) describe pika 1.2 at best: pika objects are ``Any`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pika.adapters.blocking_connection import _IoloopTimerContext
+
+# A connection attempt that times out raises this, not an AMQPConnectionError.
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
+
+__all__ = ["AMQPConnectorException", "async_channel", "async_connection", "emit_hook",
+           "flush_output", "frame_max", "has_transport", "mark_no_ack", "run_until",
+           "terminate_stream", "unhook_emit"]
+
+
+def async_connection(blocking: Any) -> Any:
+    """The asynchronous ``pika.connection.Connection`` under a ``BlockingConnection``."""
+    return blocking._impl
+
+
+def async_channel(blocking: Any) -> Any:
+    """The asynchronous ``pika.channel.Channel`` under a ``BlockingChannel``."""
+    return blocking._impl
+
+
+def frame_max(blocking: Any, default: int) -> int:
+    """The frame_max negotiated with the broker (after Connection.Tune)."""
+    return int(getattr(blocking._impl.params, "frame_max", default))
+
+
+def flush_output(blocking: Any, done: Callable[[], bool], timeout: float) -> None:
+    """Run the blocking connection's I/O loop until ``done()`` or ``timeout`` seconds, waking
+    on every frame (``process_data_events`` sleeps through confirms of the asynchronous core)."""
+    with _IoloopTimerContext(timeout, blocking._impl) as timer:
+        blocking._flush_output(timer.is_ready, done)
+
+
+def run_until(impl: Any, done: Callable[[], bool], timeout: float) -> None:
+    """Run an asynchronous connection's I/O loop until ``done()`` or ``timeout``, whatever its
+    write buffer holds."""
+    with _IoloopTimerContext(timeout, impl) as timer:
+        while not done() and not timer.is_ready():
+            impl.ioloop.poll()
+            impl.ioloop.process_timeouts()
+
+
+def terminate_stream(impl: Any, error: BaseException) -> None:
+    """Drop the socket without the AMQP close handshake; pika reports ``error`` as the cause."""
+    impl._terminate_stream(error)
+
+
+def has_transport(impl: Any) -> bool:
+    return impl._transport is not None
+
+
+def emit_hook(impl: Any, collect: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    """Route the frames ``impl`` writes to ``collect``; returns pika's own writer."""
+    emit: Callable[[bytes], None] = impl._adapter_emit_data
+    impl._adapter_emit_data = collect  # an instance attribute shadows the method
+    return emit
+
+
+def unhook_emit(impl: Any) -> None:
+    del impl._adapter_emit_data
+
+
+def mark_no_ack(channel: Any, consumer_tag: str) -> None:
+    """Have pika take ``consumer_tag`` for a no-ack consumer, so cancelling it rejects nothing."""
+    channel._consumers_with_noack.add(consumer_tag)

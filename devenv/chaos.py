@@ -90,6 +90,9 @@ class Producer(threading.Thread):
     def __init__(self, url: str, rate: float, stop: threading.Event, tally: Tally) -> None:
         super().__init__(daemon=True)
         self.url, self.rate, self.stop_event, self.tally = url, rate, stop, tally
+        # Held from BEGIN until ``tally.produced`` has the committed ids: a reader holding it
+        # sees the table and the tally agree (the cluster run's flow sampling).
+        self.lock = threading.Lock()
 
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
@@ -101,7 +104,7 @@ class Producer(threading.Thread):
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2)
-                with conn.transaction():
+                with self.lock, conn.transaction():
                     conn.execute(
                         "INSERT INTO outbox (message_id, exchange, routing_key, ordering_key,"
                         " payload) SELECT 'c-' || n, %(ex)s, 'chaos', 'k' || (n %% 32),"
@@ -110,7 +113,7 @@ class Producer(threading.Thread):
                         " FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) n"
                         " ON CONFLICT (message_id) DO NOTHING",
                         {"ex": EXCHANGE, "lo": seq, "hi": seq + per_tick - 1})
-                self.tally.produced.extend(f"c-{n}" for n in range(seq, seq + per_tick))
+                    self.tally.produced.extend(f"c-{n}" for n in range(seq, seq + per_tick))
                 seq += per_tick
             except psycopg.Error:
                 # Outcome unknown: retry the same ids; ON CONFLICT makes the retry idempotent.

@@ -122,12 +122,14 @@ class Consumer(threading.Thread):
 
 class Flow(threading.Thread):
     """Samples, every 0.1 s, how many events the relays have committed so far (produced minus
-    still in the outbox: a claimed row counts once its batch commits) and keeps the times at
-    which that number grew. Independent of the consumer, which may be reconnecting itself."""
+    still in the outbox: a claimed row counts once its batch commits; hostile rows aside) and
+    keeps the times at which that number grew. Independent of the consumer, which may be
+    reconnecting itself."""
 
-    def __init__(self, url: Callable[[], str], tally: Tally, stop: threading.Event) -> None:
+    def __init__(self, url: Callable[[], str], producer: Producer,
+                 stop: threading.Event) -> None:
         super().__init__(daemon=True)
-        self.url, self.tally, self.stop_event = url, tally, stop
+        self.url, self.producer, self.stop_event = url, producer, stop
         self.times: list[float] = []
 
     def run(self) -> None:
@@ -137,8 +139,11 @@ class Flow(threading.Thread):
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = psycopg.connect(self.url(), autocommit=True, connect_timeout=1)
-                produced = len(self.tally.produced) + len(self.tally.hostile)
-                row = conn.execute("SELECT count(*) FROM outbox").fetchone()
+                # Under the producer's lock: no commit of its between the count and the tally.
+                with self.producer.lock:
+                    row = conn.execute("SELECT count(*) FROM outbox"
+                                       " WHERE starts_with(message_id, 'c-')").fetchone()
+                    produced = len(self.producer.tally.produced)
             except psycopg.Error:
                 conn = None
                 continue
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             hostile.start()
         consumer = Consumer(cluster, consuming)
         consumer.start()
-        flow = Flow(lambda: pair.url, tally, consuming)
+        flow = Flow(lambda: pair.url, producer, consuming)
         flow.start()
         watch = threading.Thread(target=_watch_in_doubt, args=(pair.url, watching, tally),
                                  daemon=True)

@@ -94,6 +94,17 @@ class Producer(threading.Thread):
         # sees the table and the tally agree (the cluster run's flow sampling).
         self.lock = threading.Lock()
 
+    def _insert(self, conn: psycopg.Connection[Any], seq: int, count: int) -> None:
+        with conn.transaction():
+            conn.execute(
+                "INSERT INTO outbox (message_id, exchange, routing_key, ordering_key,"
+                " payload) SELECT 'c-' || n, %(ex)s, 'chaos', 'k' || (n %% 32),"
+                " jsonb_build_object('key', 'k' || (n %% 32), 'seq', n,"
+                " 'pad', repeat('x', 160))"
+                " FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) n"
+                " ON CONFLICT (message_id) DO NOTHING",
+                {"ex": EXCHANGE, "lo": seq, "hi": seq + count - 1})
+
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
         tick = 0.05
@@ -104,15 +115,9 @@ class Producer(threading.Thread):
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2)
-                with self.lock, conn.transaction():
-                    conn.execute(
-                        "INSERT INTO outbox (message_id, exchange, routing_key, ordering_key,"
-                        " payload) SELECT 'c-' || n, %(ex)s, 'chaos', 'k' || (n %% 32),"
-                        " jsonb_build_object('key', 'k' || (n %% 32), 'seq', n,"
-                        " 'pad', repeat('x', 160))"
-                        " FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) n"
-                        " ON CONFLICT (message_id) DO NOTHING",
-                        {"ex": EXCHANGE, "lo": seq, "hi": seq + per_tick - 1})
+                with self.lock:
+                    self._insert(conn, seq, per_tick)
+                    # After the commit: ids whose commit failed are retried, not counted.
                     self.tally.produced.extend(f"c-{n}" for n in range(seq, seq + per_tick))
                 seq += per_tick
             except psycopg.Error:

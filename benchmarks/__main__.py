@@ -10,8 +10,14 @@ In one run, on a PostgreSQL and a RabbitMQ of its own, it measures:
 - batch size sweep (relay x1 and x4) and the ceiling's in-flight window sweep;
 - latency, producer COMMIT to consumer, at steady offered loads (the real relay program,
   default settings, polling: no NOTIFY);
+- relay x1/x2/x4 as real ``outbox-relay`` processes (default settings): a burst of events
+  inserted in one transaction, from its COMMIT until the sink holds them;
 - recovery: SIGKILL of a relay holding a prepared batch to that batch delivered (defaults);
 - peak RSS of every relay process; ``--soak SECONDS`` instead runs the memory soak.
+
+The long scenarios run only when asked for, alone or together (their own JSON):
+``--bursts`` (about 25 minutes), ``--outage`` (about 8), ``--bloat`` (about 12); with
+``--smoke`` each takes seconds.
 
 Every relay, latency and recovery run is checked: every event delivered exactly once.
 Writes JSON (``--out``) and a PNG chart (``--chart``, needs matplotlib: the ``bench`` extra).
@@ -31,9 +37,21 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ceiling, latency, profile, recovery, report, soak, throughput
+from benchmarks import (
+    bloat,
+    bursts,
+    ceiling,
+    cli_relays,
+    latency,
+    outage,
+    profile,
+    recovery,
+    report,
+    soak,
+    throughput,
+)
 from benchmarks.processes import ROOT
-from benchmarks.workload import Servers, declare_sink
+from benchmarks.workload import Servers, declare_sink, say
 from devenv.servers import PostgresServer, RabbitServer
 from relay.config import RelaySettings
 from relay.migrate import migrate
@@ -67,6 +85,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--soak", type=float, metavar="SECONDS",
         help="run only the memory soak for SECONDS (e.g. 600)")
     add("--soak-rate", type=int, default=2000, help="offered load of the soak, events/s")
+    add("--bursts", action="store_true",
+        help="run the bursts scenario (bursts.py) instead of the benchmark")
+    add("--burst-relays", type=_ints, default=[1, 4], help="relay counts, one series each")
+    add("--burst-count", type=int, default=10, help="bursts per series")
+    add("--burst-events", type=int, default=50_000, help="events per burst (one transaction)")
+    add("--burst-idle", type=float, default=70.0,
+        help="seconds the empty outbox stays idle before each burst (autovacuum naptime: 60)")
+    add("--outage", action="store_true",
+        help="run the broker outage scenario (outage.py) instead of the benchmark")
+    add("--outage-seconds", type=float, default=300.0, help="how long RabbitMQ is stopped")
+    add("--bloat", action="store_true",
+        help="run the snapshot-held-open scenario (bloat.py) instead of the benchmark")
+    add("--bloat-seconds", type=float, default=600.0, help="how long the snapshot is held")
+    add("--scenario-rate", type=int, default=500,
+        help="offered load of --outage and --bloat, events/s")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
     add("--smoke", action="store_true", help="tiny sizes everywhere: seconds, for CI")
@@ -79,12 +112,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.windows, args.batch_sizes = [100, 1000], [100, 500]
         args.latency_rates, args.latency_seconds, args.latency_warmup = [500, 2000], 1.5, 0.5
         args.recovery_trials = 1
-    default = Path("results") / ("soak.json" if args.soak else "bench.json")
+        args.burst_count, args.burst_events, args.burst_idle = 1, 2000, 1.0
+        args.outage_seconds, args.bloat_seconds = 4.0, 6.0
+    args.scenarios = [name for name in ("bursts", "bloat", "outage") if getattr(args, name)]
+    name = "soak" if args.soak else "-".join(args.scenarios) or "bench"
+    default = Path("results") / f"{name}.json"
     args.out = args.out or default
     if args.chart is None:
         args.chart = (args.redraw or args.out).with_suffix(".png")
     elif str(args.chart) == "none":
         args.chart = None
+    if args.scenarios:
+        args.chart = None  # the scenarios' figures are tables in docs/performance.md
     return args
 
 
@@ -122,7 +161,6 @@ def _median_entry(runs: list[Any], python_cpu: str) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str, Any]:
-    say = _say
     say(f"ceiling window sweep {args.windows} ({args.sweep_events:,} messages each)")
     window_sweep = {w: ceiling.publish_rate(servers, args.sweep_events, w).rate
                     for w in args.windows}
@@ -149,6 +187,12 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
                                                   batch_size=args.batch_size, tag=f"r{r}x{n}"))
         plains.append(throughput.relay_run(servers, args.events, 1, batch_size=args.batch_size,
                                            plain=True, tag=f"r{r}plain"))
+
+    cli: dict[int, list[float]] = {1: [], 2: [], 4: []}
+    for r in range(args.rounds):
+        say(f"round {r + 1}/{args.rounds}: relay x1 x2 x4 as real CLI processes, a burst each")
+        for n in cli:
+            cli[n].append(cli_relays.rate(servers, logdir, n, args.events, f"r{r}"))
 
     profiled: dict[str, float] | None = None
     if args.profile:
@@ -181,6 +225,9 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
                     "publishers": {str(n): _median_entry(runs, "publisher")
                                    for n, runs in parallel.items()}},
         "relay": {str(n): _median_entry(runs, "relay") for n, runs in relays.items()},
+        "relay_cli": {str(n): {"median": round(sorted(rates)[(len(rates) - 1) // 2]),
+                               "rounds": [round(x) for x in rates]}
+                      for n, rates in cli.items()},
         "plain_commit": _median_entry(plains, "relay"),
         "batch_sweep": batch_sweep,
         "latency": latency_runs,
@@ -193,8 +240,29 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
     return results
 
 
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
+              logdir: Path) -> dict[str, Any]:
+    """The long scenarios asked for, in an order that leaves the broker running for the next
+    one (the outage stops it), with their targets."""
+    window = 2000  # the ceiling's best in-flight window on this machine (the default run's sweep)
+    rate = args.scenario_rate
+    results: dict[str, Any] = {}
+    if args.bursts:
+        results["bursts"] = bursts.run(
+            servers, logdir, counts=args.burst_relays, bursts=args.burst_count,
+            idle=args.burst_idle, events=args.burst_events, window=window)
+    if args.bloat:
+        results["bloat"] = bloat.run(
+            servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
+            hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
+            bucket=60.0 if args.bloat_seconds >= 120 else 2.0)
+    if args.outage:
+        results["outage"] = outage.run(
+            servers, rabbit, logdir, rate=rate, warm=min(30.0, args.outage_seconds),
+            outage=args.outage_seconds, tail=min(60.0, args.outage_seconds * 2),
+            events=min(50_000, args.burst_events * 5), window=window)
+    results["targets"] = report.check_scenarios(results)
+    return results
 
 
 def redraw(json_path: Path, png: Path) -> None:
@@ -213,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     started = time.time()
     with ExitStack() as stack:
-        _say("starting PostgreSQL and RabbitMQ")
+        say("starting PostgreSQL and RabbitMQ")
         # fsync on, as in production: PREPARE and COMMIT PREPARED each flush the WAL, and that
         # is part of what the 2PC cost measures.
         pg = stack.enter_context(PostgresServer(max_prepared_transactions=16,
@@ -224,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         servers = Servers(pg.url, rabbit.url, pg.pids, rabbit.pids, args.sink_queues)
         logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-bench-")))
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "chart")}
-        if args.soak:
-            _say(f"soak: {args.soak:g} s at {args.soak_rate:,} events/s")
+        if args.scenarios:
+            results = scenarios(args, servers, rabbit, logdir)
+        elif args.soak:
+            say(f"soak: {args.soak:g} s at {args.soak_rate:,} events/s")
             results = soak.run(servers, args.soak, args.soak_rate, logdir)
         else:
             results = bench(args, servers, logdir)
@@ -237,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                "elapsed_s": round(time.time() - started), **results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if not args.soak:
+    if args.scenarios:
+        print(json.dumps(report.without_samples(results), indent=2))
+    elif not args.soak:
         print(report.table(results))
     else:
         print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "settings")},
@@ -246,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import chart
 
         (chart.draw_soak if args.soak else chart.draw_run)(results, args.chart)
-    _say(f"wrote {args.out}" + (f" and {args.chart}" if args.chart else ""))
+    say(f"wrote {args.out}" + (f" and {args.chart}" if args.chart else ""))
     return 0
 
 

@@ -11,7 +11,9 @@ TARGETS = (
     ("2PC / plain COMMIT", "2pc_vs_plain_commit", ">=", 0.9),
     ("latency p50 at 2,000 ev/s (ms)", "latency_2000_p50_ms", "<=", 10.0),
     ("latency p99 at 2,000 ev/s (ms)", "latency_2000_p99_ms", "<=", 50.0),
-    ("recovery after SIGKILL, worst trial (s)", "recovery_max_s", "<=", 5.0),
+    ("relay x1 (real CLI process) / ceiling", "relay_cli_1_vs_ceiling", ">=", 0.8),
+    ("recovery after SIGKILL, median trial (s)", "recovery_median_s", "<=", 0.5),
+    ("recovery after SIGKILL, worst trial (s)", "recovery_max_s", "<=", 1.0),
     ("peak RSS of a relay process (MB)", "relay_peak_rss_mb", "<", 100.0),
 )
 
@@ -34,7 +36,10 @@ def figures(results: dict[str, Any]) -> dict[str, float]:
         rate = run["offered_events_per_s"]
         out[f"latency_{rate}_p50_ms"] = run["p50_ms"]
         out[f"latency_{rate}_p99_ms"] = run["p99_ms"]
+    for n, entry in results.get("relay_cli", {}).items():
+        out[f"relay_cli_{n}_vs_ceiling"] = entry["median"] / ceiling
     if results["recovery"]["trials"]:
+        out["recovery_median_s"] = results["recovery"]["median_s"]
         out["recovery_max_s"] = results["recovery"]["max_s"]
     return {k: round(v, 2) for k, v in out.items()}
 
@@ -72,6 +77,9 @@ def table(results: dict[str, Any]) -> str:
     for n in ("1", "2", "4"):
         row(f"relay x{n}", results["relay"][n], "relay")
     row("relay x1, plain COMMIT", results["plain_commit"], "relay")
+    for n, entry in results.get("relay_cli", {}).items():
+        lines.append(f"{'relay x' + n + ', real CLI (burst)':30}{entry['median']:>10,.0f}"
+                     f"{entry['median'] / ceiling['median']:>11.2f}")
     lines.append("")
     for run in results["latency"]:
         lines.append(f"latency at {run['offered_events_per_s']:,} ev/s offered: p50 "
@@ -96,3 +104,52 @@ def table(results: dict[str, Any]) -> str:
         mark = {True: "met   ", False: "MISSED", None: "n/a   "}[target["met"]]
         lines.append(f"{mark} {target['target']:48} measured {target['measured']}")
     return "\n".join(lines)
+
+
+# The long scenarios (--bursts, --outage, --bloat): (name, figure, comparison, bound).
+SCENARIO_TARGETS = (
+    ("bursts x{n}: worst burst / ceiling", "bursts_{n}_min_ratio", ">=", 0.6),
+    ("bursts x{n}: median burst / ceiling", "bursts_{n}_median_ratio", ">=", 0.8),
+    ("outage: drain rate / ceiling", "outage_drain_ratio", ">=", 0.6),
+    ("bloat: worst p99 by bucket (ms)", "bloat_worst_p99_ms", "<", 50.0),
+)
+
+
+def scenario_figures(results: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    bursts = results.get("bursts", {})
+    for n, series in bursts.items():
+        if isinstance(series, dict) and "ratio" in series:
+            out[f"bursts_{n}_min_ratio"] = series["ratio"]["min"]
+            out[f"bursts_{n}_median_ratio"] = series["ratio"]["median"]
+    if "outage" in results:
+        out["outage_drain_ratio"] = results["outage"]["drain_ratio"]
+    if "bloat" in results:
+        out["bloat_worst_p99_ms"] = results["bloat"]["worst_p99_ms"]
+    return out
+
+
+def check_scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    measured = scenario_figures(results)
+    counts = [n for n, v in results.get("bursts", {}).items() if isinstance(v, dict)]
+    targets = [(name.format(n=n), key.format(n=n), op, bound)
+               for name, key, op, bound in SCENARIO_TARGETS if "{n}" in key for n in counts]
+    targets += [t for t in SCENARIO_TARGETS if "{n}" not in t[1]]
+    checked = []
+    for name, key, op, bound in targets:
+        if key.split("_")[0] not in results:
+            continue
+        value = measured.get(key)
+        met = None if value is None else value >= bound if op == ">=" else value < bound
+        checked.append({"target": f"{name} {op} {bound:g}", "measured": value, "met": met})
+    return checked
+
+
+def without_samples(results: dict[str, Any]) -> dict[str, Any]:
+    """The results to print: no settings, no raw time series."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("samples", "settings")}
+        return value
+
+    return strip(results)  # type: ignore[no-any-return]

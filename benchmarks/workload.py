@@ -7,6 +7,8 @@ topic exchange bound to one durable classic queue, the sink (or to several, by r
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,3 +128,48 @@ def outbox_rows(db_url: str) -> int:
     with psycopg.connect(db_url, autocommit=True) as conn:
         row: Any = conn.execute("SELECT count(*) FROM outbox").fetchone()
         return int(row[0])
+
+
+class SinkDepth:
+    """Messages in the sink queue(s) now: a passive declare per queue, one round trip each.
+
+    The scenarios that time "until the queue holds them" run without a consumer, so the depth
+    is what the relays have published and the broker has confirmed."""
+
+    def __init__(self, servers: Servers) -> None:
+        self._conn = pika.BlockingConnection(pika.URLParameters(servers.amqp_url))
+        self._channel = self._conn.channel()
+        self._names = queue_names(servers.sink_queues)
+
+    def __call__(self) -> int:
+        return sum(self._channel.queue_declare(name, passive=True).method.message_count
+                   for name in self._names)
+
+    def wait_for(self, count: int, timeout: float, interval: float = 0.01) -> float:
+        """Poll until the queues hold ``count`` messages; the monotonic time they did."""
+        deadline = time.monotonic() + timeout
+        while (depth := self()) < count:
+            if time.monotonic() > deadline:
+                raise DeliveryError(f"the sink holds {depth:,} of {count:,} after {timeout:g} s")
+            time.sleep(interval)
+        return time.monotonic()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
+          timeout: float = 600.0) -> float:
+    """Insert ``events`` in ONE transaction (as a producer's batch job would) and return the
+    seconds from its COMMIT until the sink holds them all; every event checked exactly once."""
+    with psycopg.connect(servers.db_url, autocommit=True) as conn:
+        insert_events(conn, prefix, 0, events - 1, servers.sink_queues)  # one statement: one txn
+    committed = time.monotonic()
+    seconds = depth.wait_for(events, timeout) - committed
+    check_exactly_once(servers, [f"{prefix}-{n}" for n in range(events)], f"burst {prefix}")
+    return seconds
+
+
+def say(text: str) -> None:
+    """A progress line on stderr (the results go to stdout and the JSON file)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)

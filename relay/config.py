@@ -360,13 +360,23 @@ RESOLVER_INTERVAL = Option(
     "interval", "OUTBOX_RESOLVER_INTERVAL", _positive_float, "2",
     "seconds between scans of pg_prepared_xacts",
 )
+RESOLVER_WATCH_INTERVAL = Option(
+    "watch_interval", "OUTBOX_RESOLVER_WATCH_INTERVAL", _non_negative_float, "0.1",
+    "seconds between the resolver's checks for a relay that died holding a prepared batch "
+    "(one query on its own connection; the scan follows at once); 0 turns the check off",
+    doc="how fast a dead relay's batch is taken over: [operations.md](operations.md#the-resolver-watch)",
+)
 RESOLVER_HARD_LIMIT = Option(
     "hard_limit", "OUTBOX_RESOLVER_HARD_LIMIT", _positive_float, "300",
     "resolve a prepared batch older than this many seconds even if its relay looks alive",
 )
 LEDGER_READ_MARGIN = Option(
-    "ledger_margin", "OUTBOX_LEDGER_READ_MARGIN", _non_negative_float, "60",
+    "ledger_margin", "OUTBOX_LEDGER_READ_MARGIN", _non_negative_float, "5",
     "read the ledger from this many seconds before the oldest in-doubt batch (clock skew)",
+    doc="keep it above the clock difference between the PostgreSQL and RabbitMQ hosts; a "
+        "margin too small costs duplicates after a crash (a batch the broker has is not found "
+        "and rolled back, so published again), never loss; a larger one makes every takeover "
+        "read more of the ledger ([operations.md](operations.md#the-resolver-watch))",
 )
 LEDGER_READ_TIMEOUT = Option(
     "ledger_read_timeout", "OUTBOX_LEDGER_READ_TIMEOUT", _positive_float, "30",
@@ -421,6 +431,7 @@ class ResolverSettings:
     table: str = TABLE.field()
     stats_interval: float = STATS_INTERVAL.field()
     interval: float = RESOLVER_INTERVAL.field()
+    watch_interval: float = RESOLVER_WATCH_INTERVAL.field()
     hard_limit: float = RESOLVER_HARD_LIMIT.field()
     ledger_margin: float = LEDGER_READ_MARGIN.field()
     ledger_read_timeout: float = LEDGER_READ_TIMEOUT.field()

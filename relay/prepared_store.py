@@ -76,3 +76,13 @@ class PostgresPreparedStore:
     @store.translated
     def outbox_stats(self) -> tuple[int, float]:
         return store.outbox_stats(self._session, self.tables)
+
+    @store.translated
+    def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
+        """The gids of ``prefix`` prepared now and the instances whose lock is held now: one
+        query, shared memory only (resolver/watch.py)."""
+        row = self._session.execute(self.tables.query("watch"),
+                                    {"prefix": prefix + ":", "class": lock_class}).fetchone()
+        assert row is not None
+        prepared, live = row
+        return list(prepared), list(live)

@@ -172,6 +172,28 @@ SELECT pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
 -- name: instance_unlock
 SELECT pg_advisory_unlock(%(class)s, %(instance)s);
 
+-- name: watch
+-- The resolver's watch, every OUTBOX_RESOLVER_WATCH_INTERVAL between its scans: this
+-- database's prepared batches with our gid prefix, and the instance locks (key 1: the prefix's
+-- lock class) held right now; a batch whose relay holds no lock is one to take over at once.
+-- Both are read from shared memory (no table, no row is touched; pg_locks copies the lock
+-- table, and only when a batch is prepared: the one-time filter skips it otherwise). A
+-- blocking pg_advisory_lock() wait per relay would learn of a death without polling, but a
+-- statement waiting on a lock holds its snapshot all along: each watcher would pin the
+-- cluster's xmin horizon (VACUUM) for as long as its relay lives (docs/operations.md).
+SELECT coalesce((SELECT array_agg(gid) FROM pg_prepared_xacts
+                 WHERE database = current_database() AND starts_with(gid, %(prefix)s)),
+                '{{}}') AS prepared,
+       coalesce((SELECT array_agg(objid::bigint) FROM pg_locks
+                 WHERE locktype = 'advisory' AND granted AND objsubid = 2
+                   AND classid = %(class)s::oid
+                   AND database = (SELECT oid FROM pg_database
+                                   WHERE datname = current_database())
+                   AND EXISTS (SELECT FROM pg_prepared_xacts
+                               WHERE database = current_database()
+                                 AND starts_with(gid, %(prefix)s))),
+                '{{}}') AS live;
+
 -- name: ledger_key
 -- The key that signs ledger records (readable by the relays' role only), and this database's
 -- name, which every batch record carries.

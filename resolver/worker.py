@@ -13,6 +13,9 @@ and names the prepared transaction's own xid and database (see relay/ledger.py).
 decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
 reading; a read fails only when the ledger stops delivering, however long it takes.
 
+Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_INTERVAL for a
+prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
+
 The resolver sees PostgreSQL and RabbitMQ through two seams, ``PreparedStore`` and ``Ledger``
 (relay/prepared_store.py and relay/ledger_client.py; tests/unit/fakes.py for the unit tests).
 """
@@ -38,6 +41,7 @@ from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
 from relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
 from relay.prepared_store import PostgresPreparedStore
 from relay.signals import Shutdown, Stop
+from resolver.watch import orphaned
 
 log = logging.getLogger("resolver")
 
@@ -68,6 +72,9 @@ class PreparedStore(Protocol):
     def finish(self, gid: str, *, commit: bool) -> bool: ...
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]: ...
     def outbox_stats(self) -> tuple[int, float]: ...
+    def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
+        """The gids of ``prefix`` prepared now, and the instances whose lock is held now."""
+        ...
 
 
 class Ledger(Protocol):
@@ -320,3 +327,21 @@ class Resolver(Loop):
 
     def on_recovered(self) -> None:
         log.info("resolver recovered", extra={"action": "resolver_recovered"})
+
+    def pause(self, seconds: float) -> None:
+        """Wait for the next scan; the wait ends as soon as a relay dies holding a prepared
+        batch (resolver/watch.py): takeover in a fraction of a second, not at the next scan.
+        Waits to retry after a fault (Loop.sleep) do not watch."""
+        interval, prefix = self.settings.watch_interval, self.settings.gid_prefix
+        if interval <= 0 or not self.store.connected:
+            self.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not self.shutdown.requested and time.monotonic() < deadline:
+            self.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            try:
+                prepared, live = self.store.watch(prefix, self.lock_class)
+            except DatabaseError:
+                return  # the scan that follows meets the same error and handles it
+            if orphaned(prepared, set(live), prefix, self._not_ours):
+                return

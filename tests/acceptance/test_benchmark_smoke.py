@@ -43,26 +43,58 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     for run in figures["latency"]:
         assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["max_ms"]
         assert run["measured"] > 0
+    assert set(figures["relay_cli"]) == {"1", "2", "4"}
+    assert all(entry["median"] > 0 for entry in figures["relay_cli"].values())
     assert len(figures["recovery"]["trials"]) == 1
     assert 0 < figures["recovery"]["max_s"] < 60
     # Every target is judged (none left "n/a"), and the printed table says the same.
     assert [t["met"] for t in figures["targets"]].count(None) == 0
     assert len(figures["targets"]) == len(report.TARGETS)
     assert "recovery after SIGKILL" in result.stdout
+    # The profile's shape, not its shares: a smoke run lasts a second or two, and py-spy's
+    # sampling may well catch no confirm wait at all in it (issue 9, item 8).
     profiled = figures["profile_relay_1_percent"]
-    assert profiled["samples"] > 0 and 0 < profiled["3 wait for the confirms"] <= 100
+    assert isinstance(profiled["samples"], int) and profiled["samples"] >= 0
+    shares = [share for label, share in profiled.items() if label != "samples"]
+    assert "3 wait for the confirms" in profiled and all(0 <= x <= 100 for x in shares)
     assert chart.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
+    """--bursts, --bloat and --outage at --smoke sizes: every figure is there and every event
+    was delivered exactly once (each scenario checks it); the rates prove nothing at this size."""
+    out = tmp_path / "scenarios.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--bursts", "--bloat", "--outage",
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for relays in ("1", "4"):
+        series = figures["bursts"][relays]
+        assert len(series["bursts"]) == figures["settings"]["burst_count"]
+        assert all(b["rate"] > 0 and b["ceiling"] > 0 for b in series["bursts"])
+        assert 0 < series["ratio"]["min"] <= series["ratio"]["median"] <= series["ratio"]["max"]
+    assert figures["bloat"]["by_bucket"] and figures["bloat"]["worst_p99_ms"] > 0
+    assert any(row["snapshot_held"] for row in figures["bloat"]["by_bucket"])
+    outage = figures["outage"]
+    assert outage["backlog_at_restart"] > 0 and outage["drain_rate"] > 0
+    assert outage["drained_after_start_s"] >= outage["first_publish_after_start_s"] >= 0
+    assert {t["met"] is None for t in figures["targets"]} == {False}
+    assert len(figures["targets"]) == 6
 
 
 def test_targets_are_judged_in_the_right_direction() -> None:
     measured = {"relay_1_vs_ceiling": 0.79, "relay_4_vs_ceiling": 1.0,
                 "2pc_vs_plain_commit": 0.95, "latency_2000_p50_ms": 10.0,
-                "latency_2000_p99_ms": 50.1, "recovery_max_s": 1.2, "relay_peak_rss_mb": 100.0}
+                "latency_2000_p99_ms": 50.1, "recovery_median_s": 0.4, "recovery_max_s": 1.2,
+                "relay_peak_rss_mb": 100.0, "relay_cli_1_vs_ceiling": 0.81}
     met = {t["target"].split(" <")[0].split(" >")[0]: t["met"]
            for t in report.check_targets(measured)}
     assert met == {
         "relay x1 / ceiling": False, "relay x4 / ceiling": True, "2PC / plain COMMIT": True,
         "latency p50 at 2,000 ev/s (ms)": True, "latency p99 at 2,000 ev/s (ms)": False,
-        "recovery after SIGKILL, worst trial (s)": True, "peak RSS of a relay process (MB)": False,
+        "relay x1 (real CLI process) / ceiling": True,
+        "recovery after SIGKILL, median trial (s)": True,
+        "recovery after SIGKILL, worst trial (s)": False, "peak RSS of a relay process (MB)": False,
     }
     assert report.check_targets({})[0]["met"] is None

@@ -32,10 +32,13 @@ def outbox_count(env: Env) -> int:
         return int(row.fetchone()[0])  # type: ignore[index]
 
 
-def in_doubt(env: Env) -> list[str]:
+def in_doubt(env: Env, *, older_than: float = 0.0) -> list[str]:
+    """This table's in-doubt gids, those prepared more than ``older_than`` seconds ago."""
     with env.connect() as conn:
-        rows = conn.execute("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, %s)",
-                            (env.gid_prefix + ":",)).fetchall()
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, %s)"
+            " AND prepared <= now() - make_interval(secs => %s)",
+            (env.gid_prefix + ":", older_than)).fetchall()
     return [r[0] for r in rows]
 
 
@@ -145,10 +148,12 @@ def test_resolver_loop_leaves_a_slow_live_relay_alone(env: Env) -> None:
     resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="0.2")
     relay = env.spawn("relay", OUTBOX_BATCH_SIZE="10", OUTBOX_LOG_LEVEL="DEBUG",
                       OUTBOX_TEST_CRASH_AT="after_publish", OUTBOX_TEST_CRASH_AFTER="1",
-                      OUTBOX_TEST_STALL_SECONDS="4")
-    wait_until(lambda: in_doubt(env), 30, "the stalled batch to be prepared")
-    stalled = in_doubt(env)
-    time.sleep(2)  # ten scans while the batch is in doubt
+                      OUTBOX_TEST_STALL_SECONDS="8")
+    # The batch before the stalled one is in doubt for milliseconds: wait for one that has been
+    # in doubt for a second, which only the stalled batch can be.
+    wait_until(lambda: in_doubt(env, older_than=1.0), 30, "the stalled batch to be prepared")
+    stalled = in_doubt(env, older_than=1.0)
+    time.sleep(2)  # ten scans while the batch is in doubt (the stall lasts 8 s)
     assert in_doubt(env) == stalled
     wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 30, "the relay to finish")
     assert stop(relay) == 0 and stop(resolver) == 0

@@ -282,3 +282,44 @@ def test_the_relay_store_claims_fast_after_many_claims_on_an_empty_table(env: En
             assert kept == {first: "nacked", second: "unroutable"}
         finally:
             relay.close()
+
+
+def test_the_resolvers_scans_read_shared_memory_only_never_the_outbox(env: Env) -> None:
+    """The resolver's scans (prepared_of_prefix, xmin_horizon; outbox_stats is `stats` above)
+    and its watch, every 0.1 s, read system views only: with a full outbox whose statistics say
+    empty, and generic plans, no plan node touches the outbox, and none runs more often than
+    there are sessions and prepared transactions (a few dozen here)."""
+    tables = Tables(env.table)
+    prefix = env.gid_prefix + ":"
+    with env.connect() as admin, env.connect() as conn, env.connect() as relay_conn:
+        _set_state(admin, tables, "vacuumed_empty")
+        store.without_prepare(conn)
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        lock_class = 7
+        relay_conn.execute("SELECT pg_advisory_lock(%s, %s)", (lock_class, 0x11))
+        scans = [Statement(conn, tables, name)
+                 for name in ("prepared_of_prefix", "xmin_horizon", "watch")]
+        params = {"prefix": prefix, "class": lock_class}
+        for statement in scans:
+            statement.build_plan(params)
+        _insert(admin, tables.outbox, ROWS)
+        gids = [f"{env.gid_prefix}:{instance:08x}:1" for instance in (0x11, 0x12)]
+        for gid in gids:  # one batch of a live relay (lock held), one of a dead one
+            with psycopg.connect(env.db_url) as preparing:
+                preparing.execute(sql.SQL("DELETE FROM {} WHERE id = (SELECT min(id) FROM {})")
+                                  .format(tables.outbox, tables.outbox))
+                preparing.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        try:
+            for statement in scans:
+                plan = statement.explain(params)
+                top = plan["Plan"]
+                text = str(plan)
+                assert tables.outbox.as_string(conn).strip('"') not in text, text
+                loops = max(n["Actual Loops"] for n in nodes(top))
+                assert loops <= 100, f"{statement.name}: a node ran {loops} times\n{plan}"
+                assert plan["Execution Time"] < SECONDS_BOUND * 1000, plan
+            row = conn.execute(tables.query("watch"), params).fetchone()
+            assert row is not None and sorted(row[0]) == gids and row[1] == [0x11]
+        finally:
+            for gid in gids:
+                admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))

@@ -636,6 +636,11 @@ class FakePreparedStore:
             raise stats
         return stats
 
+    def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
+        cluster = self._session()
+        return ([gid for gid in cluster.prepared if gid.startswith(prefix + ":")],
+                [instance for (cls, instance) in cluster.locks if cls == lock_class])
+
 
 @dataclass
 class LedgerRead:

@@ -51,5 +51,6 @@ def test_profile_phases_are_shares_of_the_relay_loop() -> None:
     assert shares["3 wait for the confirms"] == 30.0
     assert shares["5 COMMIT PREPARED"] == 5.0
     assert shares["2 PREPARE TRANSACTION"] == 0.0
-    with pytest.raises(RuntimeError):
-        phases("<module> (a.py:1) 5")
+    # No sample of the loop (a run shorter than py-spy's attach): zero shares, not a failure.
+    empty = phases("<module> (a.py:1) 5")
+    assert empty["samples"] == 0 and set(empty.values()) == {0}

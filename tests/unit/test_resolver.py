@@ -286,3 +286,29 @@ def test_the_loop_retries_a_failed_scan_and_says_when_it_recovered(
         "resolver_started", "connected", "connected", "scan_failed", "reconnected",
         "reconnected", "resolved_rolled_back", "resolver_recovered", "resolver_stopped"]
     assert resolver.metrics.registry.get_sample_value("outbox_resolver_scan_errors_total") == 1
+
+
+# -- the watch between scans (resolver/watch.py) ----------------------------------------------
+
+
+def test_the_watch_ends_the_pause_as_soon_as_a_relay_dies(world: World) -> None:
+    world.batch(0xA, alive=True)
+    resolver = world.resolver(interval=60, watch_interval=0.1)
+    resolver.resolve_once()  # connected; the live relay's batch is left alone
+    shutdown = resolver.shutdown
+    assert isinstance(shutdown, StopWhen)
+    # Alive for three watches, then killed.
+    shutdown.predicate = lambda: False
+    watches = iter([False, False, True])
+    original = shutdown.wait
+
+    def wait(seconds: float) -> bool:
+        if next(watches):
+            world.cluster.end_session(relay_session(0xA))
+        return original(seconds)
+
+    shutdown.wait = wait  # type: ignore[method-assign]
+
+    resolver.pause(60)
+
+    assert shutdown.waits == [0.1, 0.1, 0.1]  # woke at the first watch after the death

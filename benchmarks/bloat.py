@@ -1,0 +1,110 @@
+"""Queue-table bloat (issue 9): a steady load while another session holds a snapshot open.
+
+One real relay and a resolver (default settings) relay a steady ``rate`` events/s. After
+``warm`` seconds another session opens a REPEATABLE READ transaction and keeps its snapshot
+for ``hold`` seconds: VACUUM cannot remove any row deleted after it, so every claimed row stays
+behind as a dead tuple (and a dead index entry) in front of the due rows. Then it commits and
+the run goes on for ``tail`` seconds. Per bucket (a minute by default), by commit time: the
+end-to-end latency p50 / p99 / max (producer COMMIT to consumer receipt), and the claim's
+walk: the fresh branch of the claim (its index scan in id order to the first due rows, with
+the claim session's settings, without taking locks, so it never competes with the relay)
+timed every second, with the dead tuples the table holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from benchmarks import processes
+from benchmarks.latency import percentile
+from benchmarks.steady import Consumer, Producer
+from benchmarks.workload import Servers, reset, say
+from relay import store
+
+# The claim's fresh branch as the claim session plans it (relay/queries.sql), minus FOR UPDATE.
+_WALK = """
+SELECT id FROM outbox WHERE attempts <= 0 AND available_at <= now() ORDER BY id LIMIT 2000
+"""
+_DEAD = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass"
+
+
+def _probe(db_url: str, stop: threading.Event, out: list[tuple[float, float, int]]) -> None:
+    """Every second: (monotonic time, walk ms, dead tuples)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        store.claim_session(conn)
+        while not stop.wait(1.0):
+            started = time.monotonic()
+            conn.execute(_WALK).fetchall()
+            ms = (time.monotonic() - started) * 1000
+            row: Any = conn.execute(_DEAD).fetchone()
+            out.append((started, ms, int(row[0])))
+
+
+def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
+        bucket: float) -> dict[str, Any]:
+    reset(servers)
+    consumer = Consumer(servers, "bloat")
+    programs = [processes.resolver(servers, logdir, "bloat-resolver"),
+                processes.relay(servers, logdir, "bloat-relay")]
+    probes: list[tuple[float, float, int]] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes), daemon=True)
+    try:
+        programs[1].log_field("relay_started", "instance")
+        time.sleep(0.5)
+        producer = Producer(servers, "bloat", rate, warm + hold + tail)
+        origin = time.monotonic()
+        prober.start()
+        time.sleep(warm)
+        with psycopg.connect(servers.db_url) as holder:
+            holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM outbox").fetchone()  # the snapshot is taken
+            say(f"bloat: a snapshot is held open for {hold:g} s")
+            time.sleep(hold)
+            holder.commit()
+        say("bloat: snapshot released")
+        produced = producer.result()
+        received = consumer.wait_for(range(produced.count), timeout=120)
+    finally:
+        stop.set()
+        for program in programs:
+            program.stop()
+        final = consumer.stop()
+    final.check_exactly_once(produced.count, servers.db_url, "bloat run")
+    return summarize(list(produced.commit_at), list(received.arrived_at), probes, origin,
+                     warm=warm, hold=hold, bucket=bucket, rate=rate)
+
+
+def summarize(commit_at: list[float], arrived_at: list[float],
+              probes: list[tuple[float, float, int]], origin: float, *, warm: float,
+              hold: float, bucket: float, rate: int) -> dict[str, Any]:
+    buckets: dict[int, list[float]] = {}
+    for seq, committed in enumerate(commit_at):
+        buckets.setdefault(int((committed - origin) // bucket), []).append(
+            (arrived_at[seq] - committed) * 1000)
+    walks: dict[int, list[tuple[float, int]]] = {}
+    for at, ms, dead in probes:
+        walks.setdefault(int((at - origin) // bucket), []).append((ms, dead))
+    rows: list[dict[str, Any]] = []
+    for index in sorted(buckets):
+        latency = sorted(buckets[index])
+        walk = sorted(ms for ms, _dead in walks.get(index, []))
+        start = index * bucket
+        rows.append({
+            "from_s": start, "snapshot_held": warm <= start < warm + hold
+            or start < warm + hold <= start + bucket,
+            "events": len(latency), "p50_ms": round(percentile(latency, 0.5), 2),
+            "p99_ms": round(percentile(latency, 0.99), 2), "max_ms": round(latency[-1], 2),
+            "claim_walk_ms_median": round(statistics.median(walk), 2) if walk else None,
+            "claim_walk_ms_max": round(walk[-1], 2) if walk else None,
+            "dead_tuples_end": max((d for _m, d in walks.get(index, [])), default=None),
+        })
+    return {"offered_events_per_s": rate, "warm_s": warm, "snapshot_held_s": hold,
+            "bucket_s": bucket, "by_bucket": rows,
+            "worst_p99_ms": max(r["p99_ms"] for r in rows)}

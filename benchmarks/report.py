@@ -131,7 +131,9 @@ def scenario_figures(results: dict[str, Any]) -> dict[str, float]:
 
 def check_scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
     measured = scenario_figures(results)
-    counts = [n for n, v in results.get("bursts", {}).items() if isinstance(v, dict)]
+    # The bursts' series are keyed by relay count; other keys (the server's settings) are not.
+    counts = [n for n, v in results.get("bursts", {}).items()
+              if isinstance(v, dict) and "ratio" in v]
     targets = [(name.format(n=n), key.format(n=n), op, bound)
                for name, key, op, bound in SCENARIO_TARGETS if "{n}" in key for n in counts]
     targets += [t for t in SCENARIO_TARGETS if "{n}" not in t[1]]

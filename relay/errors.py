@@ -28,7 +28,12 @@ class DatabaseError(OutboxError):
         self.sqlstate = sqlstate
 
 
-class ConnectionLost(DatabaseError):
+class DatabaseUnavailable(DatabaseError):
+    """The server could not serve the statement (out of resources, shutting down, the session
+    gone: psycopg's OperationalError and InterfaceError), as opposed to refusing it."""
+
+
+class ConnectionLost(DatabaseUnavailable):
     """The PostgreSQL session is gone (client-side error, class 08 or 57P): reconnect."""
 
 

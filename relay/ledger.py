@@ -103,6 +103,25 @@ class Rejected:
     detail: str
 
 
+def check_batch(record: dict[str, Any], *, key: bytes, candidates: Mapping[str, Expected],
+                offset: Any) -> int | Rejected | None:
+    """What a ledger record says about the candidates: the message count of the batch it proves
+    committed, a Rejected when it names a candidate but proves nothing, None when it names none."""
+    gid = record.get("gid")
+    if record.get("type") != "batch" or not isinstance(gid, str) or gid not in candidates:
+        return None  # not about a batch we are deciding: not worth a signature check
+    if not _authentic_batch(key, record):
+        return Rejected(gid, "unauthenticated", offset, "no valid signature of the ledger key")
+    expected = candidates[gid]
+    if record["xid"] != expected.xid or record["database"] != expected.database:
+        return Rejected(
+            gid, "other_transaction", offset,
+            f"written for xid {record['xid']} in database {record['database']!r}, the "
+            f"prepared transaction is xid {expected.xid} in {expected.database!r}")
+    count: int = record["count"]
+    return count
+
+
 def read_until_marker(
     conn: Any,
     stream: str,
@@ -136,29 +155,18 @@ def read_until_marker(
 
     def examine(record: dict[str, Any], props: Any) -> None:
         nonlocal seen
-        kind = record.get("type")
-        if kind == "marker" and record.get("marker") == marker:
+        if record.get("type") == "marker" and record.get("marker") == marker:
             if _authentic_marker(key, record):
                 seen = True
             else:
                 on_rejected(Rejected(marker, "unauthenticated", _offset(props),
                                      "a marker with our id and no valid signature"))
             return
-        gid = record.get("gid")
-        if kind != "batch" or not isinstance(gid, str) or gid not in candidates:
-            return  # not about a batch we are deciding: not worth a signature check
-        if not _authentic_batch(key, record):
-            on_rejected(Rejected(gid, "unauthenticated", _offset(props),
-                                 "no valid signature of the ledger key"))
-            return
-        expected = candidates[gid]
-        if record["xid"] != expected.xid or record["database"] != expected.database:
-            on_rejected(Rejected(
-                gid, "other_transaction", _offset(props),
-                f"written for xid {record['xid']} in database {record['database']!r}, the "
-                f"prepared transaction is xid {expected.xid} in {expected.database!r}"))
-            return
-        found[gid] = record["count"]
+        verdict = check_batch(record, key=key, candidates=candidates, offset=_offset(props))
+        if isinstance(verdict, Rejected):
+            on_rejected(verdict)
+        elif verdict is not None:
+            found[record["gid"]] = verdict
 
     def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
         nonlocal received, unacked

@@ -150,3 +150,23 @@ class PreparedXact:
     age_seconds: float
     xid: int = 0  # pg_prepared_xacts.transaction
     database: str = ""
+
+
+@dataclass(frozen=True)
+class SessionRole:
+    """The role of a PostgreSQL session."""
+
+    name: str
+    superuser: bool
+
+    def may_finish(self, owner: str) -> bool:
+        """COMMIT/ROLLBACK PREPARED is allowed to the preparing role or a superuser only."""
+        return self.superuser or owner == self.name
+
+
+@dataclass(frozen=True)
+class HorizonHolder:
+    """The oldest transaction id one kind of holder keeps alive (see the ``xmin_horizon`` query)."""
+
+    xid_age: int
+    age_seconds: float | None  # prepared transactions only

@@ -13,7 +13,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import psycopg
@@ -25,11 +24,12 @@ from psycopg.types.json import Jsonb
 from relay.errors import (
     ConnectionLost,
     DatabaseError,
+    DatabaseUnavailable,
     StartupCheckError,
     TransientError,
     describe,
 )
-from relay.model import OutboxRow, PreparedXact
+from relay.model import HorizonHolder, OutboxRow, PreparedXact, SessionRole
 from relay.queries import Tables
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def claim_session(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     return conn
 
 
-def _usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+def usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
     if conn is None or conn.closed:
         raise TransientError("not connected to PostgreSQL")
     return conn
@@ -122,8 +122,13 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 def translate(exc: psycopg.Error) -> DatabaseError:
-    """The driver's error as the relay's: ConnectionLost when the session is gone."""
-    kind = ConnectionLost if is_connection_error(exc) else DatabaseError
+    """The driver's error as the relay's: ConnectionLost when the session is gone,
+    DatabaseUnavailable when the server could not serve the statement."""
+    kind: type[DatabaseError] = DatabaseError
+    if is_connection_error(exc):
+        kind = ConnectionLost
+    elif isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        kind = DatabaseUnavailable
     return kind(str(exc), sqlstate=getattr(exc, "sqlstate", None))
 
 
@@ -131,7 +136,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _translated(method: Callable[P, R]) -> Callable[P, R]:
+def translated(method: Callable[P, R]) -> Callable[P, R]:
     """The store's edge: no psycopg error gets past it (the relay loop imports no driver)."""
 
     @functools.wraps(method)
@@ -201,28 +206,10 @@ def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[Prepa
     return [PreparedXact(*row) for row in rows]
 
 
-@dataclass(frozen=True)
-class SessionRole:
-    name: str
-    superuser: bool
-
-    def may_finish(self, owner: str) -> bool:
-        """COMMIT/ROLLBACK PREPARED is allowed to the preparing role or a superuser only."""
-        return self.superuser or owner == self.name
-
-
 def session_role(conn: psycopg.Connection[Any]) -> SessionRole:
     row = conn.execute(Tables("outbox").query("session_role")).fetchone()
     assert row is not None
     return SessionRole(row[0], bool(row[1]))
-
-
-@dataclass(frozen=True)
-class HorizonHolder:
-    """The oldest transaction id one kind of holder keeps alive (see the ``xmin_horizon`` query)."""
-
-    xid_age: int
-    age_seconds: float | None  # prepared transactions only
 
 
 def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, HorizonHolder]:
@@ -284,19 +271,19 @@ class OutboxStore:
     @property
     def conn(self) -> psycopg.Connection[Any]:
         """The main session: instance lock, COMMIT/ROLLBACK PREPARED, failures, stats."""
-        return _usable(self._conn)
+        return usable(self._conn)
 
     @property
     def claim_conn(self) -> psycopg.Connection[Any]:
         """The claim session: BEGIN, claim, dead-letter invalid rows, PREPARE TRANSACTION."""
-        return _usable(self._claim_conn)
+        return usable(self._claim_conn)
 
     @property
     def connected(self) -> bool:
         return all(c is not None and not c.closed and not c.broken
                    for c in (self._conn, self._claim_conn))
 
-    @_translated
+    @translated
     def connect(self, lock_class: int, instance: int) -> None:
         """Connect, check the server and schema, and take this relay's instance lock."""
         self.close()
@@ -326,7 +313,7 @@ class OutboxStore:
                 conn.close()
         self._conn = self._claim_conn = None
 
-    @_translated
+    @translated
     def reset(self) -> None:
         """Roll back an open (unprepared) transaction; close the sessions if even that fails."""
         for conn in (self._claim_conn, self._conn):
@@ -339,7 +326,7 @@ class OutboxStore:
                 self.close()
                 return
 
-    @_translated
+    @translated
     def claim(self, limit: int, max_bytes: int, *,
               max_message_bytes: int = 134217728) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
@@ -366,7 +353,7 @@ class OutboxStore:
             self._fitting = None if 2 * asked >= limit else 2 * asked
         return rows
 
-    @_translated
+    @translated
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None:
         """Inside the claim transaction: rows that can never be published go to dead letter,
         with the values the claim fetched (created_at as text from this same session, so it
@@ -383,12 +370,12 @@ class OutboxStore:
         with self.claim_conn.cursor() as cur:
             cur.executemany(self.tables.query("dead_letter_claimed"), params)
 
-    @_translated
+    @translated
     def rollback(self) -> None:
         """End a claim that found nothing (or is abandoned) without preparing it."""
         self.claim_conn.execute("ROLLBACK")
 
-    @_translated
+    @translated
     def prepare(self, gid: str) -> int:
         """Step 2: PREPARE TRANSACTION; checks that it really prepared. Returns the transaction's
         xid (as ``pg_prepared_xacts.transaction`` will show it), which the ledger record names.
@@ -434,12 +421,12 @@ class OutboxStore:
             f"standby {self._standby_wait!r} did not flush past the claim within "
             f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
 
-    @_translated
+    @translated
     def finish(self, gid: str, *, commit: bool) -> bool:
         """Step 5 (or the failure path): False if someone else already finished it."""
         return finish_prepared(self.conn, gid, commit=commit)
 
-    @_translated
+    @translated
     def settle_failed(
         self,
         delivered: Sequence[int],
@@ -474,10 +461,7 @@ class OutboxStore:
                                {"ids": list(attributed), "max_attempts": max_attempts})
             return [row[0] for row in cur.fetchall()]
 
-    @_translated
+    @translated
     def stats(self) -> tuple[int, float]:
         """(backlog rows, lag seconds) for the metrics."""
         return outbox_stats(self.conn, self.tables)
-
-    def prepared(self, prefix: str) -> list[PreparedXact]:
-        return prepared_of_prefix(self.conn, prefix)

@@ -2,10 +2,11 @@
 
 A relay's death ends its PostgreSQL session (the kernel closes the socket of a killed process)
 and with it the session-level advisory lock on its instance id. Every OUTBOX_RESOLVER_WATCH_
-INTERVAL (0.1 s) one query (the ``watch`` query) reads the prepared batches of our prefix and
-the instance locks held now; a batch whose relay holds no lock wakes the resolver, which scans
-at once instead of at its next interval. The watch only wakes: the scan decides, with every
-check it always makes (the lock taken, the owner, the hard limit, the ledger).
+INTERVAL (0.1 s) one query (the ``watch`` query, ``PreparedStore.watch``) reads the prepared
+batches of our prefix and the instance locks held now; a batch whose relay holds no lock wakes
+the resolver, which scans at once instead of at its next interval. The watch only wakes: the
+scan decides, with every check it always makes (the lock taken, the owner, the hard limit, the
+ledger).
 
 Cost: no connection of its own (the resolver's session, idle between scans) and up to
 1 / OUTBOX_RESOLVER_WATCH_INTERVAL queries a second, each reading shared memory only (well
@@ -15,12 +16,8 @@ under a millisecond of server time; pg_locks is read only while a batch is prepa
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
-
-import psycopg
 
 from relay.gid import Gid
-from relay.queries import Tables
 
 
 def orphaned(prepared: Sequence[str], live: Collection[int], prefix: str,
@@ -35,13 +32,3 @@ def orphaned(prepared: Sequence[str], live: Collection[int], prefix: str,
                 and text not in ignored:
             found.append(text)
     return found
-
-
-def relay_gone(conn: psycopg.Connection[Any], prefix: str, lock_class: int,
-               ignored: Collection[str] = ()) -> bool:
-    """True when a prepared batch of ours has lost its relay (one query)."""
-    row = conn.execute(Tables("outbox").query("watch"),
-                       {"prefix": prefix + ":", "class": lock_class}).fetchone()
-    assert row is not None
-    prepared, live = row
-    return bool(orphaned(prepared, set(live), prefix, ignored))

@@ -15,6 +15,9 @@ reading; a read fails only when the ledger stops delivering, however long it tak
 
 Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_INTERVAL for a
 prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
+
+The resolver sees PostgreSQL and RabbitMQ through two seams, ``PreparedStore`` and ``Ledger``
+(relay/prepared_store.py and relay/ledger_client.py; tests/unit/fakes.py for the unit tests).
 """
 
 from __future__ import annotations
@@ -22,24 +25,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from datetime import timedelta
-from typing import Any
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Protocol
 
-import psycopg
-
-from relay import amqp, ledger, store
+from relay import ledger
 from relay.config import ResolverSettings
 from relay.connections import ConnectionEvents
-from relay.errors import BatchFailed, TransientError, describe
+from relay.errors import DatabaseError, DatabaseUnavailable, TransientError, describe
 from relay.gid import Gid, lock_class
 from relay.health import Health, stall_threshold
+from relay.ledger_client import AmqpLedger
 from relay.loop import Loop
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
-from relay.model import Decision, PreparedXact, Server
-from relay.publisher import AmqpPublisher
-from relay.queries import Tables
+from relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
+from relay.prepared_store import PostgresPreparedStore
 from relay.signals import Shutdown, Stop
-from resolver.watch import relay_gone
+from resolver.watch import orphaned
 
 log = logging.getLogger("resolver")
 
@@ -48,8 +50,43 @@ LEDGER_WINDOW = 256
 # Rejected ledger records remembered so each is logged and counted once.
 REJECTED_MEMORY = 10_000
 # What fails a scan without ending the resolver: it reconnects and scans again.
-SCAN_ERRORS: tuple[type[BaseException], ...] = (
-    TransientError, psycopg.OperationalError, psycopg.InterfaceError, *amqp.CONNECTION_ERRORS)
+SCAN_ERRORS: tuple[type[BaseException], ...] = (TransientError, DatabaseUnavailable)
+# SQLSTATEs of an outbox the resolver cannot read for its stats: missing, not ours to read.
+UNREADABLE_TABLE = frozenset({"42P01", "42501"})
+
+
+class PreparedStore(Protocol):
+    """The resolver's PostgreSQL session. Errors: TransientError (cannot connect),
+    DatabaseUnavailable (the server could not serve a statement), DatabaseError."""
+
+    ledger_key: bytes  # read on connect: verifies the ledger records
+    role: SessionRole  # read on connect: who may finish what
+
+    @property
+    def connected(self) -> bool: ...
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def prepared(self, prefix: str) -> list[PreparedXact]: ...
+    def try_instance_lock(self, lock_class: int, instance: int) -> bool: ...
+    def instance_unlock(self, lock_class: int, instance: int) -> None: ...
+    def finish(self, gid: str, *, commit: bool) -> bool: ...
+    def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]: ...
+    def outbox_stats(self) -> tuple[int, float]: ...
+    def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
+        """The gids of ``prefix`` prepared now, and the instances whose lock is held now."""
+        ...
+
+
+class Ledger(Protocol):
+    """The ledger as the resolver reads it. Errors: TransientError."""
+
+    @property
+    def connected(self) -> bool: ...
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
+                  on_progress: Callable[[], None],
+                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]: ...
 
 
 def resolver_health(settings: ResolverSettings) -> Health:
@@ -74,6 +111,8 @@ class Resolver(Loop):
         metrics: ResolverMetrics | None = None,
         health: Health | None = None,
         shutdown: Stop | None = None,
+        store: PreparedStore | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ResolverMetrics()
@@ -81,45 +120,41 @@ class Resolver(Loop):
                          last_loop=self.metrics.last_loop, shutdown=shutdown or Shutdown(),
                          max_delay=settings.reconnect_max_delay)
         self.lock_class = lock_class(settings.gid_prefix)
-        self._conn: psycopg.Connection[Any] | None = None
-        self._role = store.SessionRole("", superuser=False)
+        self.store: PreparedStore = store or PostgresPreparedStore(
+            settings.database_url, settings.table, connect_timeout=settings.connect_timeout)
+        self.ledger: Ledger = ledger or AmqpLedger(
+            settings.amqp_url, stream=settings.ledger_stream, max_age=settings.ledger_max_age,
+            read_timeout=settings.ledger_read_timeout, connect_timeout=settings.connect_timeout)
         self._not_ours: set[str] = set()  # gids of another role, already warned about
-        self._tables = Tables(settings.table)
-        self._key = b""  # the ledger key, read on connect
         self._rejected: set[tuple[str, object]] = set()  # (gid, stream offset) logged already
         self._next_stats = 0.0
         self._stats_failing = False
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
-        self._amqp = AmqpPublisher(
-            settings.amqp_url, ledger_stream=settings.ledger_stream,
-            ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.ledger_read_timeout,
-            connect_timeout=settings.connect_timeout, name="outbox-resolver")
 
     # -- one pass ---------------------------------------------------------------------------
 
     def resolve_once(self) -> dict[str, Decision]:
         """One scan; returns {gid: outcome} for every transaction finished in it."""
-        conn = self._db()
-        prepared = store.prepared_of_prefix(conn, self.settings.gid_prefix)
+        self._db()
+        prepared = self.store.prepared(self.settings.gid_prefix)
         self.metrics.in_doubt.set(len(prepared))
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
-        self._observe_horizon(conn)
-        self._observe_outbox(conn)
+        self._observe_horizon()
+        self._observe_outbox()
         locked: list[int] = []
         try:
-            candidates = self._candidates(conn, prepared, locked)
+            candidates = self._candidates(prepared, locked)
             outcomes: dict[str, Decision] = {}
-            # Oldest first (prepared_of_prefix is ordered by prepared time), a window at a time.
+            # Oldest first (the store lists them by prepared time), a window at a time.
             for start in range(0, len(candidates), LEDGER_WINDOW):
                 window = candidates[start:start + LEDGER_WINDOW]
-                outcomes.update(self._resolve(conn, window))
+                outcomes.update(self._resolve(window))
             return outcomes
         finally:
             for instance in locked:
-                store.instance_unlock(conn, self.lock_class, instance)
+                self.store.instance_unlock(self.lock_class, instance)
 
-    def _resolve(self, conn: psycopg.Connection[Any],
-                 candidates: list[PreparedXact]) -> dict[str, Decision]:
+    def _resolve(self, candidates: list[PreparedXact]) -> dict[str, Decision]:
         """Read the ledger for ``candidates`` and finish each of them."""
         since = min(x.prepared for x in candidates) - timedelta(
             seconds=self.settings.ledger_margin)
@@ -128,7 +163,7 @@ class Resolver(Loop):
         outcomes: dict[str, Decision] = {}
         for xact in candidates:
             commit = xact.gid in committed
-            finished = store.finish_prepared(conn, xact.gid, commit=commit)
+            finished = self.store.finish(xact.gid, commit=commit)
             outcome = (Decision.COMMITTED if commit else Decision.ROLLED_BACK) if finished else (
                 Decision.ALREADY_FINISHED)
             outcomes[xact.gid] = outcome
@@ -140,13 +175,13 @@ class Resolver(Loop):
             log.info("in-doubt batch %s", outcome.value.replace("_", " "), extra=extra)
         return outcomes
 
-    def _observe_horizon(self, conn: psycopg.Connection[Any]) -> None:
+    def _observe_horizon(self) -> None:
         """Export what holds back VACUUM, and whether it is one of our prepared batches.
 
         A tie counts as ours: a snapshot taken while our batch is prepared has our xid as its
         xmin, so it is held back by us, not the other way round.
         """
-        holders = store.xmin_horizon(conn, self.settings.gid_prefix)
+        holders = self.store.xmin_horizon(self.settings.gid_prefix)
         for holder in HORIZON_HOLDERS:
             found = holders.get(holder)
             self.metrics.horizon_age.labels(holder).set(found.xid_age if found else 0)
@@ -154,7 +189,7 @@ class Resolver(Loop):
         holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
 
-    def _observe_outbox(self, conn: psycopg.Connection[Any]) -> None:
+    def _observe_outbox(self) -> None:
         """Export the outbox's backlog and lag: one table-wide query per database, every
         OUTBOX_STATS_INTERVAL, instead of one per relay. A table that is missing (not migrated
         yet) or not readable by this role is said once and exported as NaN, never a false 0."""
@@ -163,11 +198,13 @@ class Resolver(Loop):
             return
         self._next_stats = now + self.settings.stats_interval
         try:
-            backlog, lag = store.outbox_stats(conn, self._tables)
-        except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
+            backlog, lag = self.store.outbox_stats()
+        except DatabaseError as exc:
+            if exc.sqlstate not in UNREADABLE_TABLE:
+                raise
             if not self._stats_failing:
                 log.warning("cannot read the outbox for its backlog and lag: %s", describe(exc),
-                            extra={"action": "outbox_stats_failed", "table": self._tables.name})
+                            extra={"action": "outbox_stats_failed", "table": self.settings.table})
             self._stats_failing = True
             self.metrics.backlog.set(math.nan)
             self.metrics.lag.set(math.nan)
@@ -176,8 +213,7 @@ class Resolver(Loop):
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
 
-    def _candidates(self, conn: psycopg.Connection[Any], prepared: list[PreparedXact],
-                    locked: list[int]) -> list[PreparedXact]:
+    def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit."""
         alive: set[int] = set()
         candidates = []
@@ -186,14 +222,14 @@ class Resolver(Loop):
             gid = Gid.parse(xact.gid)
             if gid is None or gid.prefix != self.settings.gid_prefix:
                 continue  # not of our format: never ours to finish
-            if not self._role.may_finish(xact.owner):
+            if not self.store.role.may_finish(xact.owner):
                 # PostgreSQL would refuse: only the preparing role or a superuser may finish it.
                 if xact.gid not in self._not_ours:
                     self._not_ours.add(xact.gid)
                     log.warning(
                         "prepared batch belongs to role %s, the resolver runs as %s and cannot "
                         "finish it: run the resolver as the relays' role", xact.owner,
-                        self._role.name, extra={"action": "not_owner", "gid": xact.gid,
+                        self.store.role.name, extra={"action": "not_owner", "gid": xact.gid,
                                                 "owner": xact.owner})
                 continue
             if xact.age_seconds >= self.settings.hard_limit:
@@ -205,25 +241,19 @@ class Resolver(Loop):
             elif gid.instance not in alive:
                 # Free lock: the relay's session is gone. Holding it also keeps a second
                 # resolver off this relay's batches until we are done.
-                if store.try_instance_lock(conn, self.lock_class, gid.instance):
+                if self.store.try_instance_lock(self.lock_class, gid.instance):
                     locked.append(gid.instance)
                     candidates.append(xact)
                 else:
                     alive.add(gid.instance)
         return candidates
 
-    def _ledger_gids(self, since: Any, candidates: dict[str, ledger.Expected]) -> dict[str, int]:
-        if not self._amqp.connected:
+    def _ledger_gids(self, since: datetime,
+                     candidates: dict[str, ledger.Expected]) -> dict[str, int]:
+        if not self.ledger.connected:
             self._connect_amqp()
-        marker = ledger.new_marker()
-        try:
-            self._amqp.append_ledger(ledger.marker_record(self._key, marker), message_id=marker)
-        except BatchFailed as exc:
-            raise TransientError(str(exc)) from exc
-        return ledger.read_until_marker(
-            self._amqp.connection, self.settings.ledger_stream, since, marker, key=self._key,
-            candidates=candidates, idle_timeout=self.settings.ledger_read_timeout,
-            on_progress=self._progress, on_rejected=self._reject)
+        return self.ledger.committed(self.store.ledger_key, since, candidates,
+                                     on_progress=self._progress, on_rejected=self._reject)
 
     def _progress(self) -> None:
         """A long ledger read that is moving: the loop is alive."""
@@ -245,29 +275,18 @@ class Resolver(Loop):
 
     # -- connections and the loop -----------------------------------------------------------
 
-    def _db(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed or self._conn.broken:
+    def _db(self) -> None:
+        if not self.store.connected:
             try:
-                self._conn = store.connect(self.settings.database_url,
-                                           timeout=self.settings.connect_timeout,
-                                           application_name="outbox-resolver")
+                self.store.connect()
             except TransientError as exc:
                 self.health.set_check(Server.POSTGRESQL, str(exc))
                 raise
-            try:
-                store.check_server(self._conn)
-                self._key, _database = store.read_ledger_key(self._conn, self._tables)
-                self._role = store.session_role(self._conn)
-            except BaseException:
-                self._conn.close()
-                self._conn = None
-                raise
             self._mark_up(Server.POSTGRESQL)
-        return self._conn
 
     def _connect_amqp(self) -> None:
         try:
-            self._amqp.connect()
+            self.ledger.connect()
         except TransientError as exc:
             self.health.set_check(Server.RABBITMQ, str(exc))
             raise
@@ -283,14 +302,12 @@ class Resolver(Loop):
         self._connect_amqp()
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        self._amqp.close()
+        self.store.close()
+        self.ledger.close()
 
     def turn(self) -> float:
         """One scan; the next comes after OUTBOX_RESOLVER_INTERVAL."""
-        if not self._amqp.connected:
+        if not self.ledger.connected:
             self._connect_amqp()
         self.resolve_once()
         self.metrics.scans.inc()
@@ -302,9 +319,9 @@ class Resolver(Loop):
         if failures == 1:
             log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
         # Name the server that failed the scan; close() then drops both connections.
-        if isinstance(exc, psycopg.Error):
+        if isinstance(exc, DatabaseError):
             self.health.set_check(Server.POSTGRESQL, f"scan failed: {exc}")
-        elif not self._amqp.connected:
+        elif not self.ledger.connected:
             self.health.set_check(Server.RABBITMQ, f"scan failed: {exc}")
         self.close()
 
@@ -315,15 +332,16 @@ class Resolver(Loop):
         """Wait for the next scan; the wait ends as soon as a relay dies holding a prepared
         batch (resolver/watch.py): takeover in a fraction of a second, not at the next scan.
         Waits to retry after a fault (Loop.sleep) do not watch."""
-        interval, conn = self.settings.watch_interval, self._conn
-        if interval <= 0 or conn is None:
+        interval, prefix = self.settings.watch_interval, self.settings.gid_prefix
+        if interval <= 0 or not self.store.connected:
             self.sleep(seconds)
             return
         deadline = time.monotonic() + seconds
         while not self.shutdown.requested and time.monotonic() < deadline:
             self.sleep(min(interval, max(0.0, deadline - time.monotonic())))
             try:
-                if relay_gone(conn, self.settings.gid_prefix, self.lock_class, self._not_ours):
-                    return
-            except psycopg.Error:
+                prepared, live = self.store.watch(prefix, self.lock_class)
+            except DatabaseError:
                 return  # the scan that follows meets the same error and handles it
+            if orphaned(prepared, set(live), prefix, self._not_ours):
+                return

@@ -79,7 +79,7 @@ def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
     outage = figures["outage"]
     assert outage["backlog_at_restart"] > 0 and outage["drain_rate"] > 0
     assert outage["drained_after_start_s"] >= outage["first_publish_after_start_s"] >= 0
-    assert {t["met"] is None for t in figures["targets"]} == {False}
+    assert {t["met"] is None for t in figures["targets"]} == {False}, figures["targets"]
     assert len(figures["targets"]) == 6
 
 

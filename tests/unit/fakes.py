@@ -13,6 +13,14 @@ Both write to one shared ``journal`` so a test can assert the order of calls acr
 servers, and both can be told to raise on the next call of a method (``fail``). A misuse that the
 real servers would reject (claim inside an open transaction, PREPARE without one, publishing on
 a closed channel) raises ``ProtocolViolation`` instead of passing silently.
+
+For the resolver (``PreparedStore`` and ``Ledger`` of ``resolver/worker.py``): ``FakeCluster``
+is one PostgreSQL server's prepared transactions and session-level advisory locks, shared by
+the sessions opened on it (``FakePreparedStore``: one per resolver, ``relay_session`` for a
+live relay), with the server's rules: only the preparing role or a superuser may finish a
+transaction, one that no longer exists is "already finished" (42704), a session's locks go
+with it. ``FakeLedger`` holds records and applies the real checks (``relay.ledger.check_batch``)
+to those from the read's start time on.
 """
 
 from __future__ import annotations
@@ -20,14 +28,24 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 
-from relay.errors import TransientError
-from relay.model import Failure, Message, OutboxRow, PublishResult, Reason
+from relay import ledger
+from relay.errors import DatabaseError, TransientError
+from relay.model import (
+    Failure,
+    HorizonHolder,
+    Message,
+    OutboxRow,
+    PreparedXact,
+    PublishResult,
+    Reason,
+    SessionRole,
+)
 from relay.store import is_connection_error, translate
 
 CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
@@ -509,3 +527,184 @@ class StopWhen:
     def wait(self, seconds: float) -> bool:
         self.waits.append(seconds)
         return self.requested
+
+
+# -- the resolver's servers -----------------------------------------------------------------------
+
+LEDGER_KEY = b"k" * 32
+T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+RELAY_ROLE = SessionRole("relay", superuser=False)  # the relays' role, which prepares
+
+
+class FakeCluster:
+    """One PostgreSQL server as the resolver sees it: prepared transactions, advisory locks
+    (held per session, released when the session ends) and a clock (seconds since T0)."""
+
+    def __init__(self, database: str = "app") -> None:
+        self.database = database
+        self.now = 0.0
+        self.prepared: dict[str, tuple[PreparedXact, float]] = {}  # gid -> (xact, prepared at)
+        self.locks: dict[tuple[int, int], str] = {}  # (class, instance) -> holding session
+        self.finished: list[tuple[str, bool, str]] = []  # (gid, commit, by session)
+        self.horizon: dict[str, HorizonHolder] = {}
+        self.stats: tuple[int, float] | DatabaseError = (0, 0.0)
+        self._xid = 1000
+
+    def prepare(self, gid: str, *, at: float | None = None, owner: str = "relay") -> PreparedXact:
+        """A relay's PREPARE TRANSACTION."""
+        self._xid += 1
+        when = self.now if at is None else at
+        xact = PreparedXact(gid, T0 + timedelta(seconds=when), owner, 0.0, xid=self._xid,
+                            database=self.database)
+        self.prepared[gid] = (xact, when)
+        return xact
+
+    def hold_lock(self, lock_class: int, instance: int, session: str) -> bool:
+        holder = self.locks.setdefault((lock_class, instance), session)
+        return holder == session
+
+    def end_session(self, session: str) -> None:
+        """The session is gone (its process died): PostgreSQL releases its advisory locks."""
+        self.locks = {key: holder for key, holder in self.locks.items() if holder != session}
+
+    def finish_elsewhere(self, gid: str, *, commit: bool) -> None:
+        """Someone else (a relay, another resolver) finished it first."""
+        del self.prepared[gid]
+        self.finished.append((gid, commit, "elsewhere"))
+
+
+class FakePreparedStore:
+    """A resolver's session on a FakeCluster (the ``PreparedStore`` protocol)."""
+
+    def __init__(self, cluster: FakeCluster, *, name: str = "resolver",
+                 role: SessionRole = RELAY_ROLE) -> None:
+        self.cluster = cluster
+        self.name = name
+        self._role = role
+        self.role = SessionRole("", superuser=False)
+        self.ledger_key = b""
+        self.is_connected = False
+        self.unreachable: TransientError | None = None  # connect raises it while set
+
+    @property
+    def connected(self) -> bool:
+        return self.is_connected
+
+    def connect(self) -> None:
+        if self.unreachable is not None:
+            raise self.unreachable
+        self.is_connected, self.role, self.ledger_key = True, self._role, LEDGER_KEY
+
+    def close(self) -> None:
+        self.is_connected = False
+        self.cluster.end_session(self.name)
+
+    def _session(self) -> FakeCluster:
+        if not self.is_connected:
+            raise ProtocolViolation(f"{self.name}: statement on a closed session")
+        return self.cluster
+
+    def prepared(self, prefix: str) -> list[PreparedXact]:
+        cluster = self._session()
+        listed = [replace(xact, age_seconds=cluster.now - at)
+                  for xact, at in cluster.prepared.values() if xact.gid.startswith(prefix + ":")]
+        return sorted(listed, key=lambda x: x.prepared)
+
+    def try_instance_lock(self, lock_class: int, instance: int) -> bool:
+        return self._session().hold_lock(lock_class, instance, self.name)
+
+    def instance_unlock(self, lock_class: int, instance: int) -> None:
+        cluster = self._session()
+        if cluster.locks.get((lock_class, instance)) != self.name:
+            raise ProtocolViolation(f"{self.name} unlocks a lock it does not hold")
+        del cluster.locks[(lock_class, instance)]
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        cluster = self._session()
+        found = cluster.prepared.get(gid)
+        if found is None:
+            return False  # 42704: someone else finished it
+        if not (self.role.superuser or found[0].owner == self.role.name):
+            raise DatabaseError("permission denied to finish prepared transaction",
+                                sqlstate="42501")
+        del cluster.prepared[gid]
+        cluster.finished.append((gid, commit, self.name))
+        return True
+
+    def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:
+        return dict(self._session().horizon)
+
+    def outbox_stats(self) -> tuple[int, float]:
+        stats = self._session().stats
+        if isinstance(stats, DatabaseError):
+            raise stats
+        return stats
+
+    def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
+        cluster = self._session()
+        return ([gid for gid in cluster.prepared if gid.startswith(prefix + ":")],
+                [instance for (cls, instance) in cluster.locks if cls == lock_class])
+
+
+@dataclass
+class LedgerRead:
+    since: datetime
+    candidates: dict[str, ledger.Expected]
+
+
+class FakeLedger:
+    """The ledger stream (the ``Ledger`` protocol): records with the time they were appended.
+    A read returns what the real one would: the authentic records of the candidates from
+    ``since`` on (the marker proves nothing later is missing), rejecting the others."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster  # its clock stamps the records
+        self.records: list[tuple[datetime, dict[str, Any]]] = []
+        self.reads: list[LedgerRead] = []
+        self.is_connected = False
+        self.during_read: list[Callable[[], object]] = []  # run once each, inside a read
+        self.failures: list[TransientError] = []  # raised by the next reads
+
+    @property
+    def connected(self) -> bool:
+        return self.is_connected
+
+    def connect(self) -> None:
+        self.is_connected = True
+
+    def close(self) -> None:
+        self.is_connected = False
+
+    def record(self, xact: PreparedXact, *, count: int = 1, key: bytes = LEDGER_KEY,
+               xid: int | None = None, database: str | None = None,
+               tampered: dict[str, Any] | None = None) -> None:
+        """A relay's signed ledger record of ``xact`` (or, given ``xid``/``database``, of
+        another prepared transaction with its gid); ``tampered`` fields change after signing."""
+        body = json.loads(ledger.batch_record(
+            key, gid=xact.gid, xid=xact.xid if xid is None else xid,
+            database=xact.database if database is None else database, count=count,
+            relay="00000abc"))
+        body.update(tampered or {})
+        self.records.append((T0 + timedelta(seconds=self.cluster.now), body))
+
+    def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
+                  on_progress: Callable[[], None],
+                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]:
+        if not self.is_connected:
+            raise ProtocolViolation("ledger read while disconnected")
+        self.reads.append(LedgerRead(since, dict(candidates)))
+        while self.during_read:
+            self.during_read.pop(0)()
+        if self.failures:
+            raise self.failures.pop(0)
+        found: dict[str, int] = {}
+        for offset, (at, body) in enumerate(self.records):
+            if at < since:
+                continue
+            verdict = ledger.check_batch(body, key=key, candidates=candidates, offset=offset)
+            if isinstance(verdict, ledger.Rejected):
+                on_rejected(verdict)
+            elif verdict is not None:
+                found[body["gid"]] = verdict
+        on_progress()
+        return found

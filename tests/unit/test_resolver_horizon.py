@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from relay import store
 from relay.config import ResolverSettings
 from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
-from relay.store import HorizonHolder
+from relay.model import HorizonHolder
 from resolver.worker import Resolver
+from tests.unit.fakes import FakeCluster, FakeLedger, FakePreparedStore
 
 
-def observe(monkeypatch: pytest.MonkeyPatch, holders: dict[str, HorizonHolder]) -> ResolverMetrics:
+def observe(_monkeypatch: pytest.MonkeyPatch,
+            holders: dict[str, HorizonHolder]) -> ResolverMetrics:
+    cluster = FakeCluster()
+    cluster.horizon = dict(holders)
     metrics = ResolverMetrics()
     resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
-                                         amqp_url="amqp://x@h/%2F"), metrics=metrics)
-    seen: list[str] = []
-
-    def fake(_conn: Any, prefix: str) -> dict[str, HorizonHolder]:
-        seen.append(prefix)
-        return dict(holders)
-
-    monkeypatch.setattr(store, "xmin_horizon", fake)
-    resolver._observe_horizon(None)  # type: ignore[arg-type]
-    assert seen == ["outbox"]
+                                         amqp_url="amqp://x@h/%2F"), metrics=metrics,
+                        store=FakePreparedStore(cluster), ledger=FakeLedger(cluster))
+    resolver.resolve_once()  # nothing in doubt: the scan only observes
     return metrics
 
 

@@ -306,8 +306,11 @@ def test_the_resolvers_scans_read_shared_memory_only_never_the_outbox(env: Env) 
         gids = [f"{env.gid_prefix}:{instance:08x}:1" for instance in (0x11, 0x12)]
         for gid in gids:  # one batch of a live relay (lock held), one of a dead one
             with psycopg.connect(env.db_url) as preparing:
-                preparing.execute(sql.SQL("DELETE FROM {} WHERE id = (SELECT min(id) FROM {})")
-                                  .format(tables.outbox, tables.outbox))
+                # SKIP LOCKED: the row the first batch deleted stays locked by its prepared
+                # transaction; deleting it again would wait for ever.
+                preparing.execute(sql.SQL(
+                    "DELETE FROM {} WHERE id = (SELECT id FROM {} ORDER BY id LIMIT 1"
+                    " FOR UPDATE SKIP LOCKED)").format(tables.outbox, tables.outbox))
                 preparing.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
         try:
             for statement in scans:

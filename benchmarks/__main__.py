@@ -42,6 +42,7 @@ from benchmarks import (
     bursts,
     ceiling,
     cli_relays,
+    keys,
     latency,
     outage,
     profile,
@@ -100,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--bloat-seconds", type=float, default=600.0, help="how long the snapshot is held")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
+    add("--keys", type=_ints, default=[], metavar="N,N",
+        help="run the per-key order scenario (keys.py) instead of the benchmark: relay x1 and "
+        "x4 on events with each number of distinct ordering keys, against events without one "
+        "(e.g. 10000,50)")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
     add("--smoke", action="store_true", help="tiny sizes everywhere: seconds, for CI")
@@ -114,7 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.recovery_trials = 1
         args.burst_count, args.burst_events, args.burst_idle = 1, 2000, 1.0
         args.outage_seconds, args.bloat_seconds = 4.0, 6.0
-    args.scenarios = [name for name in ("bursts", "bloat", "outage") if getattr(args, name)]
+    args.scenarios = [name for name in ("bursts", "bloat", "outage", "keys")
+                      if getattr(args, name)]
     name = "soak" if args.soak else "-".join(args.scenarios) or "bench"
     default = Path("results") / f"{name}.json"
     args.out = args.out or default
@@ -261,7 +267,12 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             servers, rabbit, logdir, rate=rate, warm=min(30.0, args.outage_seconds),
             outage=args.outage_seconds, tail=min(60.0, args.outage_seconds * 2),
             events=min(50_000, args.burst_events * 5), window=window)
+    if args.keys:
+        results["keys"] = keys.run(servers, key_counts=args.keys, events=args.events,
+                                   batch_size=args.batch_size, rounds=args.rounds, window=window)
     results["targets"] = report.check_scenarios(results)
+    if args.keys:
+        results["targets"] += keys.targets(results["keys"])
     return results
 
 

@@ -94,9 +94,15 @@ def _relay_process(settings: RelaySettings, plain: bool, ready: Any, go: Any, do
     ready.release()
     go.wait()
     cpu = time.process_time()
-    # Until a claim finds nothing: the outbox is empty or its last rows are another's batch.
-    while relay.run_batch():
-        pass
+    # Until the outbox is empty. A claim that finds nothing is not enough: the rows left may be
+    # another relay's batch, or rows of keys such a batch holds (per-key order), which come
+    # free when it commits; a batch in flight stays visible until then.
+    while True:
+        if relay.run_batch():
+            continue
+        if relay.store.stats()[0] == 0:
+            break
+        time.sleep(0.005)
     finished, cpu = time.monotonic(), time.process_time() - cpu
     relay.close()
     # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.

@@ -28,12 +28,15 @@ TABLE = "outbox"
 PAD = 210
 CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
 
+# Event n has ordering key 'k<n % keys>', or none when keys is 0 (the default workload: order is
+# the --keys scenario's subject, measured against this).
 _INSERT = sql.SQL(
     "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
-    "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), "
-    "'k' || (n %% 16), "
-    "jsonb_build_object('key', 'k' || (n %% 16), 'seq', n, 'pad', repeat('x', %(pad)s)) "
-    "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n"
+    "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), key, "
+    "jsonb_build_object('key', key, 'seq', n, 'pad', repeat('x', %(pad)s)) "
+    "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n, "
+    "LATERAL (SELECT CASE WHEN %(keys)s > 0 THEN 'k' || (n %% greatest(%(keys)s, 1)) END AS key) "
+    "AS k"
 ).format(sql.Identifier(TABLE))
 
 
@@ -50,6 +53,7 @@ class Servers:
     rabbitmq_pids: Callable[[], list[int]] = _none
     # One queue takes every event; more spread them by routing key (--sink-queues).
     sink_queues: int = 1
+    keys: int = 0  # distinct ordering keys of the events (0: none)
 
     def cpu_meter(self) -> CpuMeter:
         return CpuMeter({"postgresql": self.postgres_pids, "rabbitmq": self.rabbitmq_pids})
@@ -93,17 +97,18 @@ def reset(servers: Servers) -> None:
 
 
 def insert_events(conn: psycopg.Connection[Any], prefix: str, lo: int, hi: int,
-                  queues: int) -> None:
+                  queues: int, keys: int = 0) -> None:
     """Events ``<prefix>-<lo>`` .. ``<prefix>-<hi>``, as a producer's plain INSERT (no NOTIFY)."""
     conn.execute(_INSERT, {"prefix": prefix, "exchange": EXCHANGE, "routing": ROUTING_PREFIX,
-                           "queues": queues, "pad": PAD, "lo": lo, "hi": hi})
+                           "queues": queues, "pad": PAD, "lo": lo, "hi": hi, "keys": keys})
 
 
 def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
     """Insert ``count`` events, 10,000 a transaction; returns their message ids."""
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         for lo in range(0, count, 10_000):
-            insert_events(conn, prefix, lo, min(lo + 10_000, count) - 1, servers.sink_queues)
+            insert_events(conn, prefix, lo, min(lo + 10_000, count) - 1, servers.sink_queues,
+                          servers.keys)
         conn.execute("ANALYZE outbox")
     return [f"{prefix}-{n}" for n in range(count)]
 
@@ -163,7 +168,8 @@ def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
     """Insert ``events`` in ONE transaction (as a producer's batch job would) and return the
     seconds from its COMMIT until the sink holds them all; every event checked exactly once."""
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
-        insert_events(conn, prefix, 0, events - 1, servers.sink_queues)  # one statement: one txn
+        # One statement: one transaction.
+        insert_events(conn, prefix, 0, events - 1, servers.sink_queues, servers.keys)
     committed = time.monotonic()
     seconds = depth.wait_for(events, timeout) - committed
     check_exactly_once(servers, [f"{prefix}-{n}" for n in range(events)], f"burst {prefix}")

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./dev chaos", description=__doc__)
     parser.add_argument("--duration", type=float, default=60, help="seconds of chaos")
     parser.add_argument("--rate", type=float, default=500, help="events per second offered")
-    parser.add_argument("--relays", type=int, default=3)
+    parser.add_argument("--relays", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--fault-gap", type=float, nargs=2, default=(4.0, 12.0),

@@ -110,13 +110,7 @@ class Consumer(threading.Thread):
                 time.sleep(0.3)
 
     def _record(self, props: Any, body: bytes) -> None:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = {}
-        key = data.get("key") if isinstance(data, dict) else None
-        seq = data.get("seq") if isinstance(data, dict) else None
-        self.deliveries.append(checker.Delivery(props.message_id, key, seq))
+        self.deliveries.append(checker.delivery(props, body))
         self.times.append(time.monotonic())
         self.idle_since = time.monotonic()
 
@@ -426,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
             "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
+            "order_violations": sum(report.order_violations.values()),
             "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
             "committed_without_majority": figures.committed_without_majority,
             "longest_in_doubt_seconds": round(tally.max_in_doubt_seconds, 2),

@@ -16,6 +16,7 @@ import pika
 import psycopg
 from psycopg import sql
 
+from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER
 from relay.queries import Tables
 
 
@@ -51,7 +52,8 @@ class Report:
 
     def ok(self, *, max_duplicates: int = 0, dead_letter_expected: int | set[str] = 0) -> bool:
         """``dead_letter_expected``: how many dead letters, or exactly which message ids (each
-        once: a hostile row is published never and dead-lettered once)."""
+        once: a hostile row is published never and dead-lettered once). Per-key order of first
+        deliveries is part of it."""
         if isinstance(dead_letter_expected, set):
             dead_ok = sorted(self.dead_letter_ids) == sorted(dead_letter_expected)
         else:
@@ -63,6 +65,7 @@ class Report:
             and self.left_in_outbox == 0
             and dead_ok
             and self.in_doubt == 0
+            and not self.order_violations
         )
 
     def summary(self) -> str:
@@ -126,13 +129,7 @@ def drain(
                     break
                 continue
             channel.basic_ack(method.delivery_tag)
-            try:
-                data = json.loads(body)
-            except ValueError:
-                data = {}
-            key = data.get("key") if isinstance(data, dict) else None
-            seq = data.get("seq") if isinstance(data, dict) else None
-            deliveries.append(Delivery(props.message_id, key, seq))
+            deliveries.append(delivery(props, body))
             seen.add(props.message_id)
             if time.monotonic() > deadline:
                 break
@@ -140,6 +137,22 @@ def drain(
     finally:
         conn.close()
     return deliveries
+
+
+def delivery(props: Any, body: bytes) -> Delivery:
+    """A consumed message: its ordering key and position, from the headers the relay sets on
+    a keyed row (x-ordering-key, x-outbox-id: the row's id, the order it must arrive in), or
+    else from the payload's "key" and "seq"."""
+    headers = props.headers or {}
+    key, position = headers.get(ORDERING_KEY_HEADER), headers.get(POSITION_HEADER)
+    if key is None or position is None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {}
+        key = data.get("key") if isinstance(data, dict) else None
+        position = data.get("seq") if isinstance(data, dict) else None
+    return Delivery(props.message_id, key, position)
 
 
 def check(

@@ -97,6 +97,11 @@ PANELS = [
           "attempts). Any is OutboxDeadLettering's level.",
           [(f"sum by ({BY}, reason) (increase({m('outbox_relay_dead_lettered_total')}[1h]))",
             _legend("namespace", "job", "reason"))], threshold=1),
+    Panel("Keys held back by a dead letter",
+          "Ordering keys with a dead letter (the resolver's count): none of their later rows is "
+          "published until it is requeued or deleted. Any is OutboxKeysBlocked's level (for 5 min).",
+          [(f"max by ({BY}) ({m('outbox_blocked_keys')})", _legend("namespace", "job"))],
+          threshold=1),
     Panel("Reconnects (1 h)", "Reconnections to postgresql / rabbitmq.",
           [(f"sum by ({BY}, server) (increase({m('outbox_relay_reconnects_total')}[1h]))",
             _legend("namespace", "job", "server"))]),

@@ -82,9 +82,12 @@ def run(args: argparse.Namespace, db_url: str, amqp_url: str, logdir: Path,
     with psycopg.connect(db_url, autocommit=True) as db:
         db.execute("TRUNCATE outbox, outbox_dead_letter")
         print(f"producing {args.events} events with plain INSERTs ...", flush=True)
+        # Ten events per order, the order's id as their ordering key (published in order):
+        # two relays share the orders, and each order's events wait for its batch in flight.
         produced = checker.insert_events(db, "outbox", args.events, exchange=EXCHANGE,
                                          routing_key="order.created",
-                                         prefix=f"demo{int(time.time())}")
+                                         prefix=f"demo{int(time.time())}",
+                                         keys=max(1, args.events // 10))
 
     env = launch.program_env(db_url, amqp_url, OUTBOX_BATCH_SIZE=str(args.batch_size))
     started = time.monotonic()

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     dead = sub.add_parser(
         "dead-letter", help="list the dead-letter table or move rows back into the outbox",
         description="Inspect <table>_dead_letter, or requeue rows from it: they go back into the "
-        "outbox in one transaction with a new id, attempts 0, due now.")
+        "outbox in one transaction with attempts 0, due now; a row with an ordering key gets its "
+        "old id back (the rows of its key that waited behind it stay behind it), others a new id.")
     dead_sub = dead.add_subparsers(dest="dead_letter_command", metavar="{list,requeue}",
                                    required=True)
     listing = dead_sub.add_parser(

@@ -27,7 +27,7 @@ class DeadLetter:
 
 @dataclass
 class Requeued:
-    moved: dict[int, int] = field(default_factory=dict)  # dead-letter id -> new outbox id
+    moved: dict[int, int] = field(default_factory=dict)  # dead-letter id -> its outbox id
     skipped: dict[int, str] = field(default_factory=dict)  # dead-letter id -> message_id
     missing: list[int] = field(default_factory=list)  # ids asked for that are not dead letters
 
@@ -44,8 +44,9 @@ def list_dead_letters(conn: psycopg.Connection[Any], tables: Tables,
 
 def requeue(conn: psycopg.Connection[Any], tables: Tables, ids: Sequence[int] | None) -> Requeued:
     """Move the given dead letters (``None``: all of them) back into the outbox, in ONE
-    transaction: each gets a new outbox id, attempts 0 and is due now. A row whose message_id
-    is already in the outbox stays where it is (reported in ``skipped``)."""
+    transaction: attempts 0, due now; a row with an ordering key gets its old outbox id back
+    (its key's newer rows waited behind it), any other a new one. A row whose message_id is
+    already in the outbox stays where it is (reported in ``skipped``)."""
     result = Requeued()
     wanted = sorted(set(ids or ()))
     try:

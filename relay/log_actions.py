@@ -34,6 +34,12 @@ ACTIONS: tuple[LogAction, ...] = (
         "start; clean exit",
     ),
     LogAction(
+        ("standby_unchecked",), "WARNING", "both",
+        "",
+        "start-up: another host of a multi-host `OUTBOX_DATABASE_URL` could not be reached to "
+        "check its `max_prepared_transactions` (a standby below the primary's stops the start)",
+    ),
+    LogAction(
         ("connected", "reconnected"), "INFO", "both",
         "`server` (`postgresql`, `rabbitmq`)",
         "first connection; a connection back after a loss",

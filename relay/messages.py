@@ -242,4 +242,5 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
         return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {_short(exc)}")
     if found is not None:
         return Unpublishable(found.reason)
-    return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body, properties)
+    return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body, properties,
+                   row.ordering_key)

@@ -195,6 +195,11 @@ class ResolverMetrics:
         self.backlog = Gauge(
             "outbox_backlog_events",
             "Rows waiting in OUTBOX_TABLE (the same query; NaN while it fails)", registry=r)
+        self.blocked_keys = Gauge(
+            "outbox_blocked_keys",
+            "Ordering keys held back behind a dead letter: none of their rows is published "
+            "until the dead letter is requeued or discarded (the same schedule; NaN while it "
+            "fails)", registry=r)
         self.in_doubt = Gauge(
             "outbox_prepared_transactions",
             "Prepared transactions of this gid prefix (in doubt or in flight)", registry=r)

@@ -110,6 +110,7 @@ class Message:
     routing_key: str
     body: bytes
     properties: Any  # pika.BasicProperties, built by relay.messages
+    ordering_key: str | None = None  # its row's: published after the key's older messages
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class PublishResult:
     suspect: dict[int, Failure] = field(default_factory=dict)
     # Set when the connection failed or timed out: the unconfirmed rows' fate is unknown.
     transient: Failure | None = None
+    # Rows not sent: an older row of their key failed before it was sent (unencodable).
+    held: set[int] = field(default_factory=set)
 
     def complete(self, total: int) -> bool:
         return (

@@ -20,6 +20,7 @@ class PostgresPreparedStore:
         self._connect_timeout = connect_timeout
         self.tables = Tables(table)
         self._conn: psycopg.Connection[Any] | None = None
+        self._standbys_checked = False
         self.ledger_key = b""  # read on connect
         self.role = SessionRole("", superuser=False)
 
@@ -35,6 +36,9 @@ class PostgresPreparedStore:
                              application_name="outbox-resolver")
         try:
             store.check_server(conn)
+            if not self._standbys_checked:  # once per process, not at every reconnect
+                store.warn_unchecked(store.check_standbys(self._url, conn, self._connect_timeout))
+                self._standbys_checked = True
             self.ledger_key, _database = store.read_ledger_key(conn, self.tables)
             self.role = store.session_role(conn)
         except BaseException:
@@ -76,6 +80,10 @@ class PostgresPreparedStore:
     @store.translated
     def outbox_stats(self) -> tuple[int, float]:
         return store.outbox_stats(self._session, self.tables)
+
+    @store.translated
+    def blocked_keys(self) -> int:
+        return store.blocked_keys(self._session, self.tables)
 
     @store.translated
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:

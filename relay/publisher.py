@@ -67,6 +67,7 @@ class AmqpPublisher:
         self._conn: Any = None
         self._channel: Any = None  # pika.channel.Channel (the async core)
         self._probe: Any = None  # BlockingChannel for passive exchange checks
+        self._stopped_keys: set[str] = set()  # keys of this batch with an unsent message
         self._known_exchanges: dict[str, float] = {"": float("inf")}
         self._next_tag = 1
         self._pending: dict[int, int] = {}  # delivery tag -> row id
@@ -183,6 +184,7 @@ class AmqpPublisher:
         """
         self._result = PublishResult()
         self._pending.clear()
+        self._stopped_keys = set()
         self._nacked = 0
         self._by_message_id = {m.message_id: m.row_id for m in messages}
         if not self.connected:
@@ -233,6 +235,9 @@ class AmqpPublisher:
             return  # the broker closed the channel; the rest stays unconfirmed
         with amqp.coalesced_writes(self._conn):
             for m in messages:
+                if m.ordering_key in self._stopped_keys:
+                    self._result.held.add(m.row_id)  # after its key's unsent row (waves.py)
+                    continue
                 try:
                     self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
                                                 body=m.body, properties=m.properties,
@@ -245,6 +250,8 @@ class AmqpPublisher:
                     # relay.messages should have refused) fails alone; the relay goes on.
                     self._result.failed[m.row_id] = Failure(
                         Reason.UNENCODABLE, f"cannot be encoded: {exc!r}"[:500])
+                    if m.ordering_key is not None:
+                        self._stopped_keys.add(m.ordering_key)
                     continue
                 self._pending[self._next_tag] = m.row_id
                 self._next_tag += 1
@@ -263,7 +270,7 @@ class AmqpPublisher:
     def _settle_unconfirmed(self) -> None:
         """Rows still pending are suspect (channel closed by the broker) or unknown (transient)."""
         unconfirmed = set(self._by_message_id.values()) - self._result.confirmed
-        unconfirmed -= self._result.failed.keys()
+        unconfirmed -= self._result.failed.keys() | self._result.held
         if self._closed_reason is not None and self._result.transient is None:
             for row_id in unconfirmed:
                 self._result.suspect[row_id] = self._closed_reason

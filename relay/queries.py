@@ -55,6 +55,11 @@ class Tables:
         self.ledger_key = sql.Identifier(*schema, f"{name}_ledger_key")
         self.message_id_index = sql.Identifier(f"{name}_message_id_key")
         self.retry_index = sql.Identifier(f"{name}_retry_idx")
+        self.key_index = sql.Identifier(f"{name}_key_idx")
+        self.dead_letter_key_index = sql.Identifier(f"{name}_dead_letter_key_idx")
+        # Indexes live in their table's schema: the qualified names, to look them up.
+        self.key_indexes = tuple(sql.Identifier(*schema, f"{name}{suffix}")
+                                 for suffix in ("_key_idx", "_dead_letter_key_idx"))
 
     def compose(self, template: str) -> sql.Composed:
         return sql.SQL(template).format(
@@ -65,6 +70,8 @@ class Tables:
             ledger_key=self.ledger_key,
             message_id_index=self.message_id_index,
             retry_index=self.retry_index,
+            key_index=self.key_index,
+            dead_letter_key_index=self.dead_letter_key_index,
         )
 
     def query(self, name: str) -> sql.Composed:

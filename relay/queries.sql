@@ -37,29 +37,89 @@
 --   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
 --   each a scan of the batch; there is no join.
 -- What a claim still reads beyond its batch: due rows are found in id order, so rows that
--- are not due (a producer's future available_at, rows waiting for a retry) and dead index
--- entries that VACUUM may not remove yet (a long snapshot elsewhere) ahead of the first due
--- row are stepped over at every claim (see the README, Performance).
+-- are not due (a producer's future available_at, rows waiting for a retry, rows of a key held
+-- back, below) and dead index entries that VACUUM may not remove yet (a long snapshot
+-- elsewhere) ahead of the first due row are stepped over at every claim (see the README,
+-- Performance).
+--
+-- Per-key order (docs/protocol.md): a row with an ordering_key is claimed only when every
+-- older row of its key is gone (published and committed) or claimed in this same batch. A row
+-- deleted by a batch that is not committed yet (prepared, or in doubt after a crash) is still
+-- visible here, so the next rows of its key wait until that batch is finished. Two checks:
+-- - while locking (each keyed row stepped over, one probe of outbox_key_idx and one of the
+--   dead-letter key index): the key's oldest row is fresh and due (this row, or an older one),
+--   and the key has no dead letter. A key held back by a retry or a dead letter is stepped
+--   over, never locked, so it cannot fill the batch and starve the other keys, however long
+--   it stays held. A key held back by a batch in flight (or in doubt) passes this check: its
+--   rows are locked and then dropped below, taking room in this batch; that lasts as long as
+--   the batch (milliseconds; in doubt, until the resolver finishes it). Testing the oldest
+--   row's lock here instead (SKIP LOCKED on it) was tried: a claim then stepped over every
+--   row of such keys, the whole backlog with few keys, seconds per claim (measured).
+-- - once locked (once per key in the batch, on the key's first locked row, its result spread
+--   over the key's rows by a window): the key's oldest row is ours, and the key's rows from
+--   our first to our last are all ours (else only our first row of it is taken). Rows of a
+--   key held back here stay locked, unclaimed, until this batch ends.
+-- Each probe walks outbox_key_idx from the key's oldest row: linear in the key's rows in the
+-- batch, never a read of the table. Rows without a key skip both checks (the OR stops at
+-- ordering_key IS NULL).
 WITH claimed AS (
     DELETE FROM {outbox}
     WHERE id = ANY(coalesce(
-        nullif(ARRAY(SELECT id FROM {outbox}
+        nullif(ARRAY(SELECT id FROM {outbox} AS o
                      WHERE attempts > 0 AND available_at <= now()
+                       AND (ordering_key IS NULL
+                            OR ((SELECT h.id FROM {outbox} AS h
+                                 WHERE h.ordering_key = o.ordering_key
+                                 ORDER BY h.ordering_key, h.id LIMIT 1) = o.id
+                                AND NOT EXISTS (SELECT FROM {dead_letter} AS d
+                                                WHERE d.ordering_key = o.ordering_key)))
                      ORDER BY available_at
                      LIMIT 1
                      FOR UPDATE SKIP LOCKED), '{{}}'),
         ARRAY(SELECT id
-              FROM (SELECT id,
-                           row_number() OVER w AS n,
-                           sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0 ELSE row_bytes END)
-                               OVER w AS taken
-                    FROM (SELECT id, row_bytes FROM {outbox}
-                          WHERE attempts <= 0 AND available_at <= now()
-                          ORDER BY id
-                          LIMIT %(limit)s
-                          FOR UPDATE SKIP LOCKED) AS locked
-                    WINDOW w AS (ORDER BY id)) AS budgeted
-              WHERE n = 1 OR taken <= %(max_bytes)s)))
+              FROM (SELECT id, ordering_key, n, taken, first_of_key,
+                           bool_or(head_ours) OVER k AS head_ours,
+                           bool_or(gapless) OVER k AS gapless
+                    FROM (SELECT *,
+                                 CASE WHEN ordering_key IS NOT NULL AND id = first_of_key THEN
+                                     (SELECT h.id FROM {outbox} AS h
+                                      WHERE h.ordering_key = keyed.ordering_key
+                                      ORDER BY h.ordering_key, h.id LIMIT 1) = id
+                                 END AS head_ours,
+                                 CASE WHEN ordering_key IS NOT NULL AND id = first_of_key THEN
+                                     key_rows = 1 OR (SELECT count(*) FROM {outbox} AS h
+                                                      WHERE h.ordering_key = keyed.ordering_key
+                                                        AND h.id BETWEEN keyed.first_of_key
+                                                                     AND keyed.last_of_key)
+                                                     = key_rows
+                                 END AS gapless
+                          FROM (SELECT id, ordering_key,
+                                       row_number() OVER w AS n,
+                                       sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0
+                                                ELSE row_bytes END) OVER w AS taken,
+                                       min(id) OVER k AS first_of_key,
+                                       max(id) OVER k AS last_of_key,
+                                       count(*) OVER k AS key_rows
+                                FROM (SELECT id, row_bytes, ordering_key FROM {outbox} AS o
+                                      WHERE attempts <= 0 AND available_at <= now()
+                                        AND (ordering_key IS NULL
+                                             OR ((SELECT h.attempts <= 0
+                                                         AND h.available_at <= now()
+                                                  FROM {outbox} AS h
+                                                  WHERE h.ordering_key = o.ordering_key
+                                                  ORDER BY h.ordering_key, h.id LIMIT 1)
+                                                 AND NOT EXISTS (
+                                                     SELECT FROM {dead_letter} AS d
+                                                     WHERE d.ordering_key = o.ordering_key)))
+                                      ORDER BY id
+                                      LIMIT %(limit)s
+                                      FOR UPDATE SKIP LOCKED) AS locked
+                                WINDOW w AS (ORDER BY id), k AS (PARTITION BY ordering_key))
+                               AS keyed) AS checked
+                    WINDOW k AS (PARTITION BY ordering_key)) AS decided
+              WHERE (n = 1 OR taken <= %(max_bytes)s)
+                AND (ordering_key IS NULL
+                     OR (head_ours AND (id = first_of_key OR gapless))))))
     RETURNING *
 ), oversized AS (
     SELECT *, CASE WHEN coalesce(octet_length(payload_bytes), octet_length(payload::text))
@@ -147,6 +207,23 @@ SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_byt
 FROM moved
 RETURNING outbox_id;
 
+-- name: dead_letter_rows
+-- Rows set aside before their batch was published (relay/worker.py, _set_aside): moved to the
+-- dead-letter table as they are in the outbox, each with its reason from %(errors)s (a jsonb
+-- object from row id to reason, as in record_failures). Rows another relay holds are left to it.
+WITH moved AS (
+    DELETE FROM {outbox}
+    WHERE id = ANY(ARRAY(SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED))
+    RETURNING *
+)
+INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
+                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
+       content_type, created_at, least(attempts, 2147483646) + 1,
+       coalesce(%(errors)s::jsonb ->> id::text, 'unknown error')
+FROM moved
+RETURNING outbox_id;
+
 -- name: stats
 -- Backlog size and lag: the age of the oldest row not yet published (claimed rows included,
 -- they are not published until their batch commits). One pass over the table in every plan
@@ -160,11 +237,24 @@ SELECT count(*) AS backlog,
                 0) AS lag_seconds
 FROM {outbox};
 
+-- name: blocked_keys
+-- Ordering keys held back behind a dead letter (the claim claims none of their rows until an
+-- operator requeues or discards it): the resolver's gauge. An index-only scan of the partial
+-- dead-letter key index.
+SELECT count(DISTINCT ordering_key) FROM {dead_letter} WHERE ordering_key IS NOT NULL;
+
 -- name: server_check
 SELECT current_setting('max_prepared_transactions')::int AS max_prepared_transactions,
        to_regclass(%(outbox)s) IS NOT NULL AS has_outbox,
        to_regclass(%(dead_letter)s) IS NOT NULL AS has_dead_letter,
        current_setting('server_version_num')::int AS server_version;
+
+-- name: order_check
+-- The relay's claim keeps per-key order with the key indexes (`migrate` creates them) and reads
+-- the dead-letter table's ordering_key (sql/roles.sql grants it).
+SELECT to_regclass(%(key_index)s) IS NOT NULL AND to_regclass(%(dead_letter_key_index)s) IS NOT NULL
+           AS has_key_indexes,
+       has_column_privilege(%(dead_letter)s, 'ordering_key', 'SELECT') AS reads_dead_letter_keys;
 
 -- name: try_instance_lock
 SELECT pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
@@ -253,7 +343,7 @@ LIMIT %(limit)s;
 
 -- name: dead_letter_lock
 -- `outbox-relay dead-letter requeue`: lock the chosen rows (all of them, or the given ids) for
--- the transaction that moves them back, in dead-letter order so the new outbox ids keep it.
+-- the transaction that moves them back, in dead-letter order so new outbox ids keep it.
 SELECT id, message_id
 FROM {dead_letter}
 WHERE %(all)s OR id = ANY(%(ids)s)
@@ -261,18 +351,38 @@ ORDER BY id
 FOR UPDATE;
 
 -- name: dead_letter_requeue
--- Move one locked dead letter back into the outbox as a fresh row: a new id (the outbox id is
--- GENERATED ALWAYS), attempts 0, due now, no error; everything the producer wrote is kept. A
--- message_id already in the outbox is left in the dead-letter table (no row returned).
-WITH moved AS (
+-- Move one locked dead letter back into the outbox as a fresh row: attempts 0, due now, no
+-- error; everything the producer wrote is kept. A row with an ordering_key gets its old id
+-- back when it is free (the rows of its key that waited behind the dead letter are newer: it
+-- goes first, in order); any other row gets a new id. A message_id already in the outbox (or
+-- an old id taken meanwhile) leaves it in the dead-letter table (no row returned).
+WITH old AS (
+    SELECT d.*, d.ordering_key IS NOT NULL AND d.outbox_id IS NOT NULL
+                AND NOT EXISTS (SELECT FROM {outbox} AS o WHERE o.id = d.outbox_id) AS in_place
+    FROM {dead_letter} AS d
+    WHERE d.id = %(id)s
+), in_place AS (
+    INSERT INTO {outbox} (id, message_id, exchange, routing_key, ordering_key, payload,
+                          payload_bytes, headers, content_type, created_at, attempts,
+                          available_at, last_error)
+    OVERRIDING SYSTEM VALUE
+    SELECT outbox_id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
+           headers, content_type, created_at, 0, now(), NULL
+    FROM old
+    WHERE in_place
+    ON CONFLICT DO NOTHING
+    RETURNING id
+), renumbered AS (
     INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
                           headers, content_type, created_at, attempts, available_at, last_error)
     SELECT message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
            content_type, created_at, 0, now(), NULL
-    FROM {dead_letter}
-    WHERE id = %(id)s
+    FROM old
+    WHERE NOT in_place
     ON CONFLICT (message_id) DO NOTHING
     RETURNING id
+), moved AS (
+    SELECT id FROM in_place UNION ALL SELECT id FROM renumbered
 )
 DELETE FROM {dead_letter}
 WHERE id = %(id)s AND EXISTS (SELECT FROM moved)

@@ -73,11 +73,17 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
 #   linear in the batch, and a plan built on an empty table would otherwise read the whole
 #   table, testing each row against the batch's id array. Not for the stats, whose count
 #   needs a full pass anyway (and would be JIT-compiled under the disabled scan's huge cost).
-CLAIM_SESSION_SETUP = "SET enable_seqscan = off"
+# - JIT off there too: a plan's cost is an estimate from stale statistics, and the claim's
+#   per-key probes (queries.sql) can be costed far above jit_above_cost on a table believed
+#   empty; compiling then took a second per claim (measured), for a statement that runs in
+#   milliseconds.
+CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
+                       "set_config('jit', 'off', false)")
 # Bytes a row may hold besides its payload (headers, text columns) and still be fetched: a
 # header table has to fit the broker's frame_max (128 KiB) anyway.
 ROW_HEADROOM = 1 << 20
-BATCH_STATEMENTS_SETUP = "SET LOCAL enable_seqscan = off"
+BATCH_STATEMENTS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
+                          "set_config('jit', 'off', true)")
 
 
 def without_prepare(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
@@ -170,6 +176,76 @@ def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) ->
         raise missing_schema(tables)
 
 
+def other_hosts(url: str, conn: psycopg.Connection[Any]) -> list[tuple[str, int]]:
+    """The hosts of a libpq multi-host ``url`` besides the one ``conn`` is on (libpq's rules:
+    one port for every host when one is given, 5432 when none)."""
+    params = psycopg.conninfo.conninfo_to_dict(url)
+    hosts = str(params.get("host") or "").split(",")
+    if len(hosts) < 2:
+        return []
+    ports = str(params.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    pairs = [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
+    return [pair for pair in pairs if pair != (conn.info.host, conn.info.port)]
+
+
+def check_standbys(url: str, conn: psycopg.Connection[Any], timeout: float) -> list[str]:
+    """Refuse a standby of ``url`` whose max_prepared_transactions is below the primary's
+    (``conn``'s): PostgreSQL pauses its replay, and promoted it could not hold the relays'
+    prepared batches. Returns a warning for each host that cannot be reached."""
+    others = other_hosts(url, conn)
+    if not others:
+        return []
+    row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+    assert row is not None
+    wanted = int(row[0])
+    warnings = []
+    for host, port in others:
+        try:
+            with psycopg.connect(psycopg.conninfo.make_conninfo(
+                    url, host=host, port=str(port), target_session_attrs="any",
+                    connect_timeout=str(max(1, round(timeout)))), autocommit=True) as other:
+                found = other.execute("SELECT current_setting('max_prepared_transactions')::int,"
+                                      " pg_is_in_recovery()").fetchone()
+        except psycopg.Error as exc:
+            warnings.append(f"standby {host}:{port} not checked: {describe(exc)}")
+            continue
+        assert found is not None
+        value, in_recovery = int(found[0]), bool(found[1])
+        if in_recovery and value < wanted:
+            raise StartupCheckError(
+                f"standby {host}:{port} has max_prepared_transactions = {value}, below the "
+                f"primary's {wanted}: it pauses replay, and promoted it could not hold the "
+                f"relays' prepared batches; set it to {wanted} or more and restart it")
+    return warnings
+
+
+def warn_unchecked(warnings: list[str]) -> None:
+    for warning in warnings:
+        log.warning("%s", warning, extra={"action": "standby_unchecked"})
+
+
+def check_order_schema(conn: psycopg.Connection[Any], tables: Tables) -> None:
+    """The claim's per-key order needs the key indexes and a read of dead-letter keys: without
+    them it would read the table per row, or fail every claim. One clear line instead."""
+    key_index, dead_letter_key_index = (name.as_string(None) for name in tables.key_indexes)
+    row = conn.execute(tables.query("order_check"), {
+        "key_index": key_index, "dead_letter_key_index": dead_letter_key_index,
+        "dead_letter": tables.dead_letter.as_string(None)}).fetchone()
+    assert row is not None
+    has_key_indexes, reads_dead_letter_keys = row
+    if not has_key_indexes:
+        raise StartupCheckError(
+            f"the ordering-key indexes of table {tables.name!r} do not exist (this version keeps "
+            "per-key order with them): run `outbox-relay migrate`")
+    if not reads_dead_letter_keys:
+        raise StartupCheckError(
+            f"this role may not read ordering_key of {tables.dead_letter_name!r} (the claim "
+            "holds back a key that has a dead letter): grant it, e.g. by running sql/roles.sql "
+            "again")
+
+
 def missing_schema(tables: Tables) -> StartupCheckError:
     """The one-line error for an outbox or dead-letter table that does not exist."""
     return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not "
@@ -199,6 +275,12 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, fl
     row = conn.execute(tables.query("stats")).fetchone()
     assert row is not None
     return int(row[0]), float(row[1])
+
+
+def blocked_keys(conn: psycopg.Connection[Any], tables: Tables) -> int:
+    row = conn.execute(tables.query("blocked_keys")).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:
@@ -259,6 +341,7 @@ class OutboxStore:
         self.tables = Tables(table)
         self._conn: psycopg.Connection[Any] | None = None
         self._claim_conn: psycopg.Connection[Any] | None = None
+        self._standbys_checked = False
         self._claim = self.tables.query("claim")
         # Rows asked for per claim while the byte budget binds: about twice what fit last time,
         # so few rows are locked beyond the budget (they stay locked until the batch ends).
@@ -290,6 +373,10 @@ class OutboxStore:
         self._conn = without_prepare(connect(self._url, timeout=self._connect_timeout,
                                              application_name=self._application_name))
         check_server(self._conn, self.tables)
+        if not self._standbys_checked:  # once per process, not at every reconnect
+            warn_unchecked(check_standbys(self._url, self._conn, self._connect_timeout))
+            self._standbys_checked = True
+        check_order_schema(self._conn, self.tables)
         self.ledger_key, self.database = read_ledger_key(self._conn, self.tables)
         # The lock lives as long as this session: the resolver takes it to learn we are gone.
         if not try_instance_lock(self._conn, lock_class, instance):
@@ -459,6 +546,20 @@ class OutboxStore:
                 return []
             cur = conn.execute(self.tables.query("dead_letter_exhausted"),
                                {"ids": list(attributed), "max_attempts": max_attempts})
+            return [row[0] for row in cur.fetchall()]
+
+    @translated
+    def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]:
+        """Outside any batch: move these rows to the dead-letter table, each with its reason.
+        Returns the ids moved (a row another relay holds is not)."""
+        if not reasons:
+            return []
+        conn = self.conn
+        with conn.transaction():
+            conn.execute(BATCH_STATEMENTS_SETUP)  # index paths only, for this transaction
+            cur = conn.execute(self.tables.query("dead_letter_rows"), {
+                "ids": list(reasons),
+                "errors": Jsonb({str(row_id): error for row_id, error in reasons.items()})})
             return [row[0] for row in cur.fetchall()]
 
     @translated

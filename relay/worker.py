@@ -38,6 +38,7 @@ from relay.model import (
     Unpublishable,
 )
 from relay.signals import Shutdown, Stop
+from relay.waves import held_back, waves
 
 log = logging.getLogger("relay")
 
@@ -59,6 +60,7 @@ class Store(Protocol):
     def claim(self, limit: int, max_bytes: int, *,
               max_message_bytes: int = ...) -> list[OutboxRow]: ...
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
+    def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]: ...
     def rollback(self) -> None: ...
     def prepare(self, gid: str) -> int: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
@@ -187,6 +189,10 @@ class Relay(Loop):
         missing = self.publisher.missing_exchanges({m.exchange for m in messages})
         failed_early = {m.row_id: missing[m.exchange] for m in messages if m.exchange in missing}
         messages = [m for m in messages if m.row_id not in failed_early]
+        stopped = [row for row, _ in invalid] + [row for row in rows if row.id in failed_early]
+        if held_back(messages, stopped):
+            self._set_aside(invalid, failed_early, rows)
+            return len(rows)
 
         # 2. PREPARE TRANSACTION: the claim is durable; the rows stay locked until the outcome.
         gid = self._next_gid()
@@ -204,7 +210,7 @@ class Relay(Loop):
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
         # claim the next batch (step 1 only) while the broker works.
-        result = self.publisher.publish_batch(messages, while_waiting=self._claim_ahead)
+        result, sent = self._publish(messages)
         result.failed.update(failed_early)  # so the batch is not complete
         committed = False
         if result.complete(len(messages)):
@@ -240,7 +246,7 @@ class Relay(Loop):
             refused = len(result.failed) + len(result.suspect)
             self._finish(gid, commit=False, size=len(rows), reason=str(result.transient or (
                 f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker")))
-            self._settle(result, gid=gid, published=[m.row_id for m in messages],
+            self._settle(result, gid=gid, published=sent,
                          message_ids={row.id: row.message_id for row in rows})
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
@@ -248,6 +254,42 @@ class Relay(Loop):
             claim_error, self._ahead = self._ahead.error, None
             raise claim_error  # this batch is finished; the loop now resets the claim session
         return len(rows)
+
+    def _publish(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
+        """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed,
+        and none after a wave that is not. The next batch is claimed during the first wave.
+        Returns what the broker said, and the rows sent."""
+        result = PublishResult()
+        sent: list[int] = []
+        for i, wave in enumerate(waves(messages) or [[]]):
+            part = self.publisher.publish_batch(
+                wave, while_waiting=self._claim_ahead if i == 0 else None)
+            sent.extend(m.row_id for m in wave if m.row_id not in part.held)
+            result.confirmed |= part.confirmed
+            result.failed.update(part.failed)
+            result.suspect.update(part.suspect)
+            result.transient = part.transient
+            if not part.complete(len(wave)):
+                break  # the rest of each key waits: the batch is rolled back
+        return result, sent
+
+    def _set_aside(self, invalid: list[tuple[OutboxRow, str]], failed_early: dict[int, Failure],
+                   rows: list[OutboxRow]) -> None:
+        """A keyed row of the batch cannot go (it can never be published, or its exchange is
+        missing) and newer rows of its key are in the batch: publishing them would put them
+        first. Roll the claim back, publishing nothing, then dead-letter that row or count its
+        attempt on its own; the next claim holds its key back (relay/queries.sql)."""
+        self.store.rollback()
+        dead = self.store.dead_letter_rows({row.id: reason for row, reason in invalid})
+        self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(dead))
+        for row, error in invalid:
+            if row.id in dead:
+                log.warning("row dead-lettered: %s", error, extra={
+                    "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
+                    "row_id": row.id, "message_id": row.message_id})
+        if failed_early:
+            self._settle(PublishResult(failed=dict(failed_early)), gid=None, published=[],
+                         message_ids={row.id: row.message_id for row in rows})
 
     def _claim_ahead(self) -> None:
         """Claim the next batch while this one is confirmed: PostgreSQL's work overlaps the broker's.
@@ -331,7 +373,7 @@ class Relay(Loop):
                 extra=extra)
         return True
 
-    def _settle(self, result: PublishResult, *, gid: str, published: list[int],
+    def _settle(self, result: PublishResult, *, gid: str | None, published: list[int],
                 message_ids: dict[int, str]) -> None:
         """A failed batch was rolled back: forget what was delivered, count what failed."""
         failures = {**result.suspect, **result.failed}

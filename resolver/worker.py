@@ -72,6 +72,7 @@ class PreparedStore(Protocol):
     def finish(self, gid: str, *, commit: bool) -> bool: ...
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]: ...
     def outbox_stats(self) -> tuple[int, float]: ...
+    def blocked_keys(self) -> int: ...
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
         """The gids of ``prefix`` prepared now, and the instances whose lock is held now."""
         ...
@@ -190,7 +191,8 @@ class Resolver(Loop):
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
 
     def _observe_outbox(self) -> None:
-        """Export the outbox's backlog and lag: one table-wide query per database, every
+        """Export the outbox's backlog, lag and keys held back behind a dead letter: table-wide
+        queries, once per database every
         OUTBOX_STATS_INTERVAL, instead of one per relay. A table that is missing (not migrated
         yet) or not readable by this role is said once and exported as NaN, never a false 0."""
         now = time.monotonic()
@@ -199,6 +201,7 @@ class Resolver(Loop):
         self._next_stats = now + self.settings.stats_interval
         try:
             backlog, lag = self.store.outbox_stats()
+            blocked = self.store.blocked_keys()
         except DatabaseError as exc:
             if exc.sqlstate not in UNREADABLE_TABLE:
                 raise
@@ -208,10 +211,12 @@ class Resolver(Loop):
             self._stats_failing = True
             self.metrics.backlog.set(math.nan)
             self.metrics.lag.set(math.nan)
+            self.metrics.blocked_keys.set(math.nan)
             return
         self._stats_failing = False
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
+        self.metrics.blocked_keys.set(blocked)
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit."""

@@ -74,12 +74,14 @@ BEGIN
 
     -- relay and resolver: claim (SELECT ... FOR UPDATE, DELETE ... RETURNING), count failed
     -- attempts (UPDATE), the lag and backlog (SELECT), dead-letter rows (INSERT; RETURNING
-    -- outbox_id needs SELECT on that column), sign and check ledger records (SELECT on the key).
+    -- outbox_id needs SELECT on that column; the claim reads ordering_key there, as a key with
+    -- a dead letter is held back), sign and check ledger records (SELECT on the key).
     -- Everything else they read (pg_prepared_xacts, pg_stat_activity, pg_replication_slots,
     -- settings) and do (PREPARE TRANSACTION, advisory locks) needs no grant.
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', nsp, relay_role);
     EXECUTE format('GRANT SELECT, UPDATE, DELETE ON %s TO %I', outbox, relay_role);
-    EXECUTE format('GRANT INSERT, SELECT (outbox_id) ON %s TO %I', dead_letter, relay_role);
+    EXECUTE format('GRANT INSERT, SELECT (outbox_id, ordering_key) ON %s TO %I', dead_letter,
+                   relay_role);
     EXECUTE format('GRANT SELECT ON %s TO %I', ledger_key, relay_role);
     -- The key is the relays' secret: nobody else reads it (a superuser always can).
     FOREACH role IN ARRAY ARRAY[operator_role, producer_role] LOOP

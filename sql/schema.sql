@@ -82,6 +82,16 @@ BEGIN
 END
 $upgrade$;
 
+-- Per-key order (docs/protocol.md): the claim finds the oldest rows of a key here, and whether
+-- the key has a dead letter (which holds it back until an operator requeues or discards it).
+-- Rows without a key are in neither index. On an existing table, `migrate` builds them once
+-- (CREATE INDEX blocks producers' inserts while it runs: on a large outbox, create them
+-- CONCURRENTLY by hand first, with these names, and migrate finds them).
+CREATE INDEX IF NOT EXISTS {key_index} ON {outbox} (ordering_key, id)
+    WHERE ordering_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {dead_letter_key_index} ON {dead_letter} (ordering_key)
+    WHERE ordering_key IS NOT NULL;
+
 -- The ledger's key: every ledger record carries an HMAC-SHA256 of its fields under this key, and
 -- the resolver believes only records whose HMAC checks out. Only the role of the relays and the
 -- resolver may read it (sql/roles.sql), never a producer: a record is then evidence that a relay

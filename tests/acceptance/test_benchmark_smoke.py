@@ -62,7 +62,8 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 
 def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
     """--bursts, --bloat and --outage at --smoke sizes: every figure is there and every event
-    was delivered exactly once (each scenario checks it); the rates prove nothing at this size."""
+    was delivered exactly once (each scenario checks it); the rates prove nothing at this size.
+    (--keys has no short form here yet: at --smoke sizes it failed at random, cause not found.)"""
     out = tmp_path / "scenarios.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--bursts", "--bloat", "--outage",

@@ -20,9 +20,10 @@ def test_cluster_chaos_run_loses_nothing(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = json.loads(out.read_text())
-    # A node boots in 10-30 s on a loaded machine: how many faults fit varies; these come first.
+    # A node boots in 10-30 s on a loaded machine: how many faults fit varies (a quiet machine
+    # gets through the cycle and starts it again); these come first.
     kinds = figures["faults_by_kind"]
-    assert kinds.get("no_majority") == 1 and kinds.get("promote") == 1, kinds
+    assert kinds.get("no_majority", 0) >= 1 and kinds.get("promote", 0) >= 1, kinds
     assert figures["faults"] >= 4, figures
     assert figures["events"] > 5000, figures
     assert figures["lost"] == 0 and figures["unexpected"] == 0, figures
@@ -31,3 +32,5 @@ def test_cluster_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert figures["delivered"] == figures["events"] + figures["duplicated"], figures
     assert figures["hostile_dead_lettered"] == figures["hostile_rows"], figures
     assert figures["unexpected_exits"] == 0, figures
+    # Per-key order of first deliveries, 4 relays, through every fault.
+    assert figures["relays"] == 4 and figures["order_violations"] == 0, figures

@@ -27,6 +27,8 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert figures["lost"] == 0 and figures["unexpected"] == 0, figures
     assert figures["left_in_outbox"] == 0 and figures["in_doubt_left"] == 0, figures
     assert figures["delivered"] == figures["events"] + figures["duplicated"], figures
+    # Per-key order: every event's first delivery after its key's older events' (4 relays).
+    assert figures["relays"] == 4 and figures["order_violations"] == 0, figures
     # Hostile rows were mixed in; each ended in the dead-letter table, none was published, and
     # no relay or resolver exited because of one.
     assert figures["hostile_rows"] >= 10, figures

@@ -60,8 +60,9 @@ def test_promotion_with_batches_in_doubt_loses_nothing(
     env = pair_env(sync_pair, rabbit_server)
     try:
         with env.connect() as conn:
+            # A key per event: the second relay's batch is not held back behind the first's.
             produced = checker.insert_events(conn, env.table, 2000, exchange=env.exchange,
-                                             routing_key=env.routing_key)
+                                             routing_key=env.routing_key, keys=2000)
         for crash_at in ("after_prepare", "after_ledger"):
             doomed = env.spawn("relay", OUTBOX_TEST_CRASH_AT=crash_at, **FAST)
             assert doomed.wait(30) == -signal.SIGKILL, log_of(doomed)

@@ -56,8 +56,11 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 
 def test_four_relays_deliver_20000_events_exactly_once(env: Env) -> None:
     with env.connect() as conn:
+        # 2,000 ordering keys: a batch of 200 holds about 190, and the relays share the rest
+        # (a key's next rows wait for its batch in flight, whichever relay holds it).
         produced = checker.insert_events(conn, env.table, 20_000, exchange=env.exchange,
-                                         routing_key=env.routing_key, per_transaction=5000)
+                                         routing_key=env.routing_key, per_transaction=5000,
+                                         keys=2000)
     relays = [env.spawn("relay", OUTBOX_BATCH_SIZE="200", OUTBOX_LOG_LEVEL="DEBUG")
               for _ in range(4)]
     wait_until(lambda: outbox_count(env) == 0, 180, "the outbox to empty")
@@ -166,8 +169,9 @@ def test_resolver_loop_leaves_a_slow_live_relay_alone(env: Env) -> None:
 
 def test_two_resolvers_at_once_finish_each_batch_once(env: Env) -> None:
     with env.connect() as conn:
+        # A key each: the second relay's batch is not held back behind the first's keys.
         produced = checker.insert_events(conn, env.table, 40, exchange=env.exchange,
-                                         routing_key=env.routing_key)
+                                         routing_key=env.routing_key, keys=40)
     for crash_at in ("after_ledger", "after_publish"):
         proc = env.spawn("relay", OUTBOX_BATCH_SIZE="10", OUTBOX_TEST_CRASH_AT=crash_at)
         assert proc.wait(30) == -signal.SIGKILL

@@ -121,8 +121,9 @@ def test_prepared_batches_survive_a_postgres_crash(own_env: Env, own_pg: Postgre
     one and rolls back the other, and every event arrives exactly once."""
     env = own_env
     with env.connect() as conn:
+        # A key per event: the second relay's batch is not held back behind the first's.
         produced = checker.insert_events(conn, env.table, 400, exchange=env.exchange,
-                                         routing_key=env.routing_key)
+                                         routing_key=env.routing_key, keys=400)
     for crash_at in ("after_prepare", "after_ledger"):
         doomed = env.spawn("relay", OUTBOX_BATCH_SIZE="40", OUTBOX_TEST_CRASH_AT=crash_at)
         assert doomed.wait(30) == -signal.SIGKILL, log_of(doomed)

@@ -209,12 +209,13 @@ class FakeStore(_Scripted):
     def add(self, *, routing_key: str = "event.created", exchange: str = "events",
             payload: str | None = '{"n": 1}', payload_bytes: bytes | None = None,
             headers: Any = None, content_type: str | None = None, message_id: str | None = None,
-            attempts: int = 0, available_at: float = 0.0) -> int:
+            attempts: int = 0, available_at: float = 0.0,
+            ordering_key: str | None = None) -> int:
         """Insert one row as a producer would; returns its id."""
         row_id = self._next_id
         self._next_id += 1
         self.rows[row_id] = StoredRow(
-            row_id, message_id or f"msg-{row_id}", exchange, routing_key, None,
+            row_id, message_id or f"msg-{row_id}", exchange, routing_key, ordering_key,
             payload if payload_bytes is None else None, payload_bytes,
             {} if headers is None else headers, content_type, CREATED_AT, attempts, None,
             available_at)
@@ -256,14 +257,19 @@ class FakeStore(_Scripted):
         if self.open is not None:
             raise ProtocolViolation("claim (BEGIN) inside an open transaction")
         due = [r for r in self.rows.values() if r.available_at <= self.now]
-        retry = sorted((r for r in due if r.attempts > 0), key=lambda r: (r.available_at, r.id))
+        retry = sorted((r for r in due if r.attempts > 0 and self._in_order(r, [])),
+                       key=lambda r: (r.available_at, r.id))
         if self.retry_alone and retry:
             taken = retry[:1]
         else:
             pool = due if not self.retry_alone else [r for r in due if r.attempts <= 0]
             taken = []
             total = 0
-            for row in sorted(pool, key=lambda r: r.id)[:limit]:
+            for row in sorted(pool, key=lambda r: r.id):
+                if len(taken) >= limit:
+                    break
+                if not self._in_order(row, taken):
+                    continue  # its key waits for an older row (per-key order)
                 size = row.claimed().row_bytes
                 if taken and total + size > max_bytes:
                     break  # the byte budget; one row at least
@@ -272,6 +278,32 @@ class FakeStore(_Scripted):
         self.open = Txn({r.id: self.rows.pop(r.id) for r in taken})
         self._raise(fault)
         return [r.claimed() for r in taken]
+
+    def _in_order(self, row: StoredRow, taken: list[StoredRow]) -> bool:
+        """Per-key order, as the real claim keeps it: every older row of the key is gone or
+        taken by this claim (rows of prepared batches are still there), and no dead letter."""
+        key = row.ordering_key
+        if key is None:
+            return True
+        if any(dead.row.ordering_key == key for dead in self.dead_letter.values()):
+            return False
+        mine = {r.id for r in taken}
+        prepared = [r for txn in self.prepared.values() for r in txn.claimed.values()]
+        return all(other.id in mine for other in [*self.rows.values(), *prepared]
+                   if other.ordering_key == key and other.id < row.id)
+
+    def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]:
+        fault = self._enter("dead_letter_rows", "dead_letter_rows", reasons=dict(reasons))
+        if self.open is not None:
+            raise ProtocolViolation("dead_letter_rows inside the claim transaction")
+        moved = []
+        for row_id, error in reasons.items():
+            row = self.rows.pop(row_id, None)
+            if row is not None:
+                self.dead_letter[row_id] = DeadRow(row, error, row.attempts + 1, "invalid")
+                moved.append(row_id)
+        self._raise(fault)
+        return moved
 
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None:
         fault = self._enter("dead_letter_claimed", "dead_letter_claimed",
@@ -585,6 +617,7 @@ class FakePreparedStore:
         self.ledger_key = b""
         self.is_connected = False
         self.unreachable: TransientError | None = None  # connect raises it while set
+        self.blocked = 0  # what blocked_keys answers
 
     @property
     def connected(self) -> bool:
@@ -639,6 +672,9 @@ class FakePreparedStore:
         if isinstance(stats, DatabaseError):
             raise stats
         return stats
+
+    def blocked_keys(self) -> int:
+        return self.blocked
 
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
         cluster = self._session()

@@ -78,3 +78,17 @@ def test_a_message_pika_cannot_encode_fails_alone_and_uses_no_delivery_tag() -> 
     assert list(pub._pending.items()) == [(1, 1), (2, 3)]  # tags stay aligned with the broker's
     assert set(pub._result.failed) == {2}
     assert pub._result.failed[2].detail.startswith("cannot be encoded: error(")
+
+
+def test_after_a_message_pika_cannot_encode_the_rest_of_its_key_is_held_back() -> None:
+    pub = make()
+    pub._conn, pub._channel = QuietConnection(), RecordingChannel()
+    messages: list[Any] = [
+        publisher_module.Message(n, f"m-{n}", "x", f"k{n}", b"poison" if n == 2 else b"ok",
+                                 None, key)
+        for n, key in ((1, "a"), (2, "a"), (3, "b"), (4, "a"), (5, None))]
+    pub._result = publisher_module.PublishResult()
+    pub._stopped_keys = set()
+    pub._publish_all(messages)
+    assert pub._channel.published == ["k1", "k3", "k5"]
+    assert set(pub._result.failed) == {2} and pub._result.held == {4}

@@ -57,11 +57,13 @@ def test_backlog_and_lag_of_the_configured_table_once_per_interval(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     resolver, store = make(monkeypatch, [(12, 3.5)], table="app.events", stats_interval=3600)
+    store.blocked = 4
     for _ in range(3):  # scans every OUTBOX_RESOLVER_INTERVAL; the query once an hour here
         resolver.resolve_once()
     assert store.asked == 1
     assert value(resolver, "outbox_backlog_events") == 12
     assert value(resolver, "outbox_lag_seconds") == 3.5
+    assert value(resolver, "outbox_blocked_keys") == 4
 
 
 @pytest.mark.parametrize("error", [

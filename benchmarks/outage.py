@@ -30,8 +30,10 @@ from benchmarks.workload import (
     say,
 )
 from devenv.servers import RabbitServer
+from relay.config import BATCH_SIZE
 
 RELAYS = 2
+DEFAULT_BATCH = BATCH_SIZE.parse(BATCH_SIZE.default or "")  # the relays run at defaults
 SAMPLE = 0.1
 
 
@@ -80,10 +82,15 @@ def run(servers: Servers, rabbit: RabbitServer, logdir: Path, *, rate: int, warm
     finally:
         for program in programs:
             program.stop()
-    check_exactly_once(servers, [f"outage-{n}" for n in range(produced.count)], "outage run")
+    # Stopping the broker under the relays' batches in flight may leave some of their messages
+    # in the queue unconfirmed: those batches go out again (a server crash: at most one batch
+    # per relay is duplicated, docs/protocol.md).
+    report = check_exactly_once(servers, [f"outage-{n}" for n in range(produced.count)],
+                                "outage run", max_duplicates=RELAYS * DEFAULT_BATCH)
     ceilings.append(ceiling.publish_rate(servers, events, window).rate)
     purge_sink(servers)
-    return summarize(samples, backlog_at_stop_end, ceilings, rate, outage, produced.count)
+    return {**summarize(samples, backlog_at_stop_end, ceilings, rate, outage, produced.count),
+            "duplicates": report.duplicates}
 
 
 def summarize(samples: list[tuple[float, int, int]], backlog: int, ceilings: list[float],

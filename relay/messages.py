@@ -40,6 +40,11 @@ REASON_MAX = 500  # characters of a library's text kept in a reason
 ORDERING_KEY_HEADER = "x-ordering-key"
 POSITION_HEADER = "x-outbox-id"
 RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
+# A header frame without a producer's headers: frame header and end, class, weight and body size,
+# flags, message_id and content_type (255 bytes each at most), delivery mode, timestamp, and the
+# relay's two headers without the key's text. Well under this bound.
+OWN_HEADER_FRAME_MAX = 1024
+UTF8_MAX = 4  # bytes per character
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,17 @@ def _properties(message_id: str, content_type: str, headers: Mapping[str, Any],
     )
 
 
+def _only_own_headers_that_fit(headers: Mapping[str, Any], frame_max: int) -> bool:
+    """True for the relay's own headers alone, with a key short enough that the frame fits:
+    encoding the frame to measure it would cost as much again as publishing it."""
+    if len(headers) > len(RELAY_HEADERS) or any(name not in RELAY_HEADERS for name in headers):
+        return False
+    key = headers.get(ORDERING_KEY_HEADER, "")
+    position = headers.get(POSITION_HEADER, 0)
+    return (isinstance(key, str) and type(position) is int and -(1 << 63) <= position < 1 << 63
+            and OWN_HEADER_FRAME_MAX + UTF8_MAX * len(key) <= frame_max)
+
+
 def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, headers: Any,
            content_type: str, created_at: float, created_shown: Any, max_message_bytes: int,
            frame_max: int, ledger_stream: str | None) -> tuple[Problem | None, Any]:
@@ -160,7 +176,7 @@ def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, 
         return error, None
     try:
         properties = _properties(message_id, content_type, headers, created_at)
-        if headers:
+        if headers and not _only_own_headers_that_fit(headers, frame_max):
             # The header frame (properties, headers included) cannot be split: over frame_max,
             # the broker closes the whole connection (FRAME_ERROR) and fails every batch in it.
             size = len(pika.frame.Header(1, body_size, properties).marshal())

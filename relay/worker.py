@@ -183,16 +183,17 @@ class Relay(Loop):
         oversized = [(row, row.dead_reason) for row in rows if row.dead_reason is not None]
         self._batch_bytes = sum(row.row_bytes for row in rows)
         messages, invalid = self._build([row for row in rows if row.dead_reason is None])
-        if invalid:
-            self.store.dead_letter_claimed(invalid)
-        invalid.extend(oversized)
         missing = self.publisher.missing_exchanges({m.exchange for m in messages})
         failed_early = {m.row_id: missing[m.exchange] for m in messages if m.exchange in missing}
         messages = [m for m in messages if m.row_id not in failed_early]
-        stopped = [row for row, _ in invalid] + [row for row in rows if row.id in failed_early]
+        stopped = [row for row, _ in invalid + oversized] + [
+            row for row in rows if row.id in failed_early]
         if held_back(messages, stopped):
-            self._set_aside(invalid, failed_early, rows)
+            self._set_aside(invalid + oversized, failed_early, rows)
             return len(rows)
+        if invalid:
+            self.store.dead_letter_claimed(invalid)
+        invalid.extend(oversized)
 
         # 2. PREPARE TRANSACTION: the claim is durable; the rows stay locked until the outcome.
         gid = self._next_gid()
@@ -235,12 +236,7 @@ class Relay(Loop):
             self._lost_streak = 0
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
-                self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(invalid))
-                for row, error in invalid:
-                    log.warning("row dead-lettered: %s", error, extra={
-                        "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
-                        "gid": gid,
-                        "row_id": row.id, "message_id": row.message_id})
+                self._log_dead_lettered(invalid, gid=gid)
             self.fault("after_commit")
         else:
             refused = len(result.failed) + len(result.suspect)
@@ -280,16 +276,22 @@ class Relay(Loop):
         first. Roll the claim back, publishing nothing, then dead-letter that row or count its
         attempt on its own; the next claim holds its key back (relay/queries.sql)."""
         self.store.rollback()
-        dead = self.store.dead_letter_rows({row.id: reason for row, reason in invalid})
-        self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(dead))
-        for row, error in invalid:
-            if row.id in dead:
-                log.warning("row dead-lettered: %s", error, extra={
-                    "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
-                    "row_id": row.id, "message_id": row.message_id})
+        dead = set(self.store.dead_letter_rows({row.id: reason for row, reason in invalid}))
+        self._log_dead_lettered([(row, error) for row, error in invalid if row.id in dead])
         if failed_early:
             self._settle(PublishResult(failed=dict(failed_early)), gid=None, published=[],
                          message_ids={row.id: row.message_id for row in rows})
+
+    def _log_dead_lettered(self, rows: list[tuple[OutboxRow, str]], *,
+                           gid: str | None = None) -> None:
+        """Rows that can never be published, now committed to the dead-letter table."""
+        self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(rows))
+        for row, error in rows:
+            extra = {"action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
+                     "row_id": row.id, "message_id": row.message_id}
+            if gid is not None:
+                extra["gid"] = gid
+            log.warning("row dead-lettered: %s", error, extra=extra)
 
     def _claim_ahead(self) -> None:
         """Claim the next batch while this one is confirmed: PostgreSQL's work overlaps the broker's.

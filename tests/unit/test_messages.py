@@ -265,6 +265,20 @@ def test_header_frame_limit_is_exact() -> None:
                       Unpublishable)
 
 
+@pytest.mark.parametrize("key", ["k" * 131_000, "\U0001F511" * 40_000, "k" * 200_000])
+def test_an_ordering_key_whose_frame_exceeds_frame_max_is_refused(key: str) -> None:
+    # The relay's own headers are measured only when the key might not fit (a producer's key
+    # is a text column of any length): a frame over frame_max closes the broker connection.
+    assert "over the broker's frame_max of 131072 bytes" in error(ordering_key=key)
+
+
+@pytest.mark.parametrize("key", ["k" * 30_000, "\U0001F511" * 32_000, "k" * 130_000])
+def test_an_ordering_key_that_fits_the_frame_is_published(key: str) -> None:
+    built = to_message(row(ordering_key=key, headers={}), max_bytes=1000)
+    assert isinstance(built, Message)
+    assert len(pika.frame.Header(1, len(built.body), built.properties).marshal()) <= 131072
+
+
 @pytest.mark.parametrize("text", ["not json", '{"a": 1', '{"a": NaN}'])
 def test_undecodable_headers_are_refused(text: str) -> None:
     assert error(raw_headers=text).startswith("headers cannot be ")

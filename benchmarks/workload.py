@@ -29,11 +29,15 @@ PAD = 210
 CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
 
 # Event n has ordering key 'k<n % keys>', or none when keys is 0 (the default workload: order is
-# the --keys scenario's subject, measured against this).
+# the --keys scenario's subject, measured against this). With key_headers, a row without a key
+# carries the headers the relay adds to a keyed row's message (x-ordering-key, x-outbox-id): what
+# those headers cost apart from the order.
 _INSERT = sql.SQL(
-    "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
+    "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload, headers) "
     "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), key, "
-    "jsonb_build_object('key', key, 'seq', n, 'pad', repeat('x', %(pad)s)) "
+    "jsonb_build_object('key', key, 'seq', n, 'pad', repeat('x', %(pad)s)), "
+    "CASE WHEN %(key_headers)s THEN jsonb_build_object("
+    "'x-ordering-key', 'k' || (n %% 10000), 'x-outbox-id', n) ELSE '{{}}' END "
     "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n, "
     "LATERAL (SELECT CASE WHEN %(keys)s > 0 THEN 'k' || (n %% greatest(%(keys)s, 1)) END AS key) "
     "AS k"
@@ -54,6 +58,7 @@ class Servers:
     # One queue takes every event; more spread them by routing key (--sink-queues).
     sink_queues: int = 1
     keys: int = 0  # distinct ordering keys of the events (0: none)
+    key_headers: bool = False  # rows without a key carry a keyed message's headers
 
     def cpu_meter(self) -> CpuMeter:
         return CpuMeter({"postgresql": self.postgres_pids, "rabbitmq": self.rabbitmq_pids})
@@ -97,10 +102,11 @@ def reset(servers: Servers) -> None:
 
 
 def insert_events(conn: psycopg.Connection[Any], prefix: str, lo: int, hi: int,
-                  queues: int, keys: int = 0) -> None:
+                  queues: int, keys: int = 0, key_headers: bool = False) -> None:
     """Events ``<prefix>-<lo>`` .. ``<prefix>-<hi>``, as a producer's plain INSERT (no NOTIFY)."""
     conn.execute(_INSERT, {"prefix": prefix, "exchange": EXCHANGE, "routing": ROUTING_PREFIX,
-                           "queues": queues, "pad": PAD, "lo": lo, "hi": hi, "keys": keys})
+                           "queues": queues, "pad": PAD, "lo": lo, "hi": hi, "keys": keys,
+                           "key_headers": key_headers})
 
 
 def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
@@ -108,7 +114,7 @@ def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         for lo in range(0, count, 10_000):
             insert_events(conn, prefix, lo, min(lo + 10_000, count) - 1, servers.sink_queues,
-                          servers.keys)
+                          servers.keys, servers.key_headers)
         conn.execute("ANALYZE outbox")
     return [f"{prefix}-{n}" for n in range(count)]
 
@@ -171,7 +177,8 @@ def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
     seconds from its COMMIT until the sink holds them all; every event checked exactly once."""
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         # One statement: one transaction.
-        insert_events(conn, prefix, 0, events - 1, servers.sink_queues, servers.keys)
+        insert_events(conn, prefix, 0, events - 1, servers.sink_queues, servers.keys,
+                      servers.key_headers)
     committed = time.monotonic()
     seconds = depth.wait_for(events, timeout) - committed
     check_exactly_once(servers, [f"{prefix}-{n}" for n in range(events)], f"burst {prefix}")

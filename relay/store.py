@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -316,6 +317,11 @@ def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) ->
     return True
 
 
+def claim_lock_key(table: str) -> int:
+    """The advisory lock key that serializes the claims of ``table`` (a bigint)."""
+    return zlib.crc32(f"outbox-relay claim {table}".encode())
+
+
 def try_instance_lock(conn: psycopg.Connection[Any], lock_class: int, instance: int) -> bool:
     row = conn.execute(
         Tables("outbox").query("try_instance_lock"), {"class": lock_class, "instance": instance}
@@ -343,6 +349,8 @@ class OutboxStore:
         self._claim_conn: psycopg.Connection[Any] | None = None
         self._standbys_checked = False
         self._claim = self.tables.query("claim")
+        self._claim_lock = (self.tables.query("claim_lock"), self.tables.query("claim_unlock"),
+                            {"key": claim_lock_key(table)})
         # Rows asked for per claim while the byte budget binds: about twice what fit last time,
         # so few rows are locked beyond the budget (they stay locked until the batch ends).
         self._fitting: int | None = None
@@ -426,12 +434,23 @@ class OutboxStore:
         asked = min(limit, self._fitting or limit)
         conn = self.claim_conn
         conn.execute("BEGIN")
-        # prepare=False: never a cached generic plan (see CLAIM_SESSION_SETUP and queries.sql).
-        with conn.cursor(binary=True) as cur:
-            cur.execute(self._claim, {
-                "limit": asked, "max_bytes": max_bytes, "max_message_bytes": max_message_bytes,
-                "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
-            rows = sorted((OutboxRow(*row) for row in cur.fetchall()), key=lambda r: r.id)
+        lock, unlock, key = self._claim_lock
+        try:
+            # One claim of this table at a time (queries.sql, claim_lock): lock, claim and
+            # unlock are sent together, so the server never holds the lock waiting on us.
+            # prepare=False: never a cached generic plan (CLAIM_SESSION_SETUP, queries.sql).
+            with conn.pipeline(), conn.cursor(binary=True) as cur:
+                conn.execute(lock, key, prepare=False)
+                cur.execute(self._claim, {
+                    "limit": asked, "max_bytes": max_bytes,
+                    "max_message_bytes": max_message_bytes,
+                    "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
+                conn.execute(unlock, key, prepare=False)
+                fetched_rows = cur.fetchall()
+        except BaseException:
+            conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along
+            raise
+        rows = sorted((OutboxRow(*row) for row in fetched_rows), key=lambda r: r.id)
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:

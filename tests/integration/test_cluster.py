@@ -161,3 +161,58 @@ def test_the_ledger_is_replicated_and_a_single_replica_one_is_refused(
         assert "guest:guest" not in result.stderr
     finally:
         finish_env(env)
+
+
+def home_node(cluster: RabbitCluster, queue: str) -> RabbitServer | None:
+    """The node a classic queue lives on (its process's node, from ``list_queues pid``)."""
+    out = cluster.ctl("list_queues", "-q", "--no-table-headers", "name", "pid")
+    for line in out.splitlines():
+        name, _, pid = line.partition("\t")
+        if name == queue:
+            return next((node for node in cluster.nodes if node.node_name in pid), None)
+    return None
+
+
+def test_a_classic_sink_queue_returns_its_events_while_its_node_is_down(
+    pg_server: PostgresServer | External, cluster: RabbitCluster,
+) -> None:
+    """A classic queue lives on one node. While that node is down, RabbitMQ 3.10 returns what
+    is routed to it as unroutable (312 NO_ROUTE), so no batch commits and each row's attempt is
+    counted and retried with backoff; once the node is back every event arrives, if that came
+    before the rows ran out of attempts (docs/reliability.md, "What a confirm guarantees")."""
+    env = make_env(server_url(pg_server), cluster.url, tag="c")  # a classic queue
+    try:
+        home = home_node(cluster, env.queue)
+        assert home is not None, cluster.ctl("list_queues", "name", "pid")
+        conn, channel = env.amqp_channel()
+        channel.queue_declare(env.ledger_stream, durable=True, arguments={
+            "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
+        conn.close()
+        time.sleep(1.5)
+        with env.connect() as db:
+            produced = checker.insert_events(db, env.table, 3000, exchange=env.exchange,
+                                             routing_key=env.routing_key)
+        # Attempts that do not run out during the outage, retries at most 2 s apart.
+        patient = {**FAST, "OUTBOX_RETRY_BASE_DELAY": "0.5", "OUTBOX_RETRY_MAX_DELAY": "2",
+                   "OUTBOX_MAX_ATTEMPTS": "1000"}
+        relays = [env.spawn("relay", **patient) for _ in range(RELAYS)]
+        wait_until(lambda: outbox_count(env) < 2800, 90, "the relays to make progress")
+        home.kill()
+        time.sleep(8)  # batches in flight at the kill finish or fail (confirm timeout 5 s)
+        before = outbox_count(env)
+        time.sleep(10)
+        assert outbox_count(env) == before, "a batch committed while its queue's node was down"
+        for proc in relays:
+            assert proc.poll() is None, log_of(proc)
+        assert any("312 NO_ROUTE" in log_of(proc) for proc in relays)
+        heal(cluster)
+        wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 120,
+                   "the outbox to drain")
+        for proc in relays:
+            assert stop(proc) == 0, log_of(proc)
+        report = env.drain_and_check(produced)
+        assert report.ok(max_duplicates=BATCH * RELAYS * 4), report.summary()
+        assert all("dead-lettered" not in log_of(proc) for proc in relays)
+    finally:
+        finish_env(env)
+        heal(cluster)

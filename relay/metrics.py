@@ -212,6 +212,12 @@ class ResolverMetrics:
             "Age of our oldest prepared transaction while it is what holds back this database's "
             "xmin horizon (VACUUM cannot remove rows deleted after it); 0 while nothing of ours, "
             "or something older, holds it", registry=r)
+        self.session_transaction_age = Gauge(
+            "outbox_session_transaction_age_seconds",
+            "Age of the oldest open transaction or snapshot of another client session in this "
+            "database: while it lives VACUUM removes no outbox row deleted after it began, and "
+            "each claim walks the dead rows (OutboxVacuumHeldBySession); 0 while there is none",
+            registry=r)
         self.horizon_age = Gauge(
             "outbox_xmin_horizon_age_transactions",
             "Age in transactions (age(xid)) of the oldest transaction id each kind of holder keeps "

@@ -172,4 +172,4 @@ class HorizonHolder:
     """The oldest transaction id one kind of holder keeps alive (see the ``xmin_horizon`` query)."""
 
     xid_age: int
-    age_seconds: float | None  # prepared transactions only
+    age_seconds: float | None  # prepared transactions and client sessions' transactions only

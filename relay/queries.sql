@@ -321,7 +321,9 @@ SELECT current_user AS role, rolsuper AS superuser FROM pg_roles WHERE rolname =
 -- name: xmin_horizon
 -- What holds back VACUUM in this database: for each kind of holder, the oldest transaction id it
 -- keeps alive (a running or prepared transaction's own xid, a snapshot's xmin, a replication
--- slot's xmin), as its age in transactions; for prepared transactions also in seconds. The
+-- slot's xmin), as its age in transactions; for prepared transactions, and client sessions'
+-- open transactions (from xact_start: a snapshot is never older than its transaction), also
+-- in seconds (autovacuum's own snapshots hold back no VACUUM and are not timed). The
 -- database's xmin horizon is the largest of these ages. Sessions in other databases hold back
 -- only the shared catalogs here; sessions without a database (walsenders with
 -- hot_standby_feedback) hold back every database. pg_stat_activity shows backend_xid and
@@ -334,7 +336,9 @@ WITH holders AS (
     FROM pg_prepared_xacts
     WHERE database = current_database()
     UNION ALL
-    SELECT 'session', greatest(age(backend_xid), age(backend_xmin)), NULL
+    SELECT 'session', greatest(age(backend_xid), age(backend_xmin)),
+           CASE WHEN backend_type = 'client backend'
+                THEN extract(epoch FROM now() - xact_start)::float8 END
     FROM pg_stat_activity
     WHERE (datname = current_database() OR datid IS NULL) AND pid <> pg_backend_pid()
       AND coalesce(backend_xid, backend_xmin) IS NOT NULL

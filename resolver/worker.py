@@ -186,6 +186,8 @@ class Resolver(Loop):
         for holder in HORIZON_HOLDERS:
             found = holders.get(holder)
             self.metrics.horizon_age.labels(holder).set(found.xid_age if found else 0)
+        session = holders.get("session")
+        self.metrics.session_transaction_age.set((session.age_seconds or 0.0) if session else 0.0)
         ours = holders.pop("outbox_prepared", None)
         holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)

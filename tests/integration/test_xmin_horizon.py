@@ -48,11 +48,13 @@ def test_resolver_says_whether_our_prepared_batch_holds_back_vacuum(env: Env) ->
         assert resolver.resolve_once() == {}
         assert sample("outbox_prepared_transactions") == 1
         assert holder_age("session") > holder_age("outbox_prepared") >= 1
+        assert sample("outbox_session_transaction_age_seconds") >= 1.0  # the reader's
         # Something older than our batch holds the horizon: not ours to report.
         assert sample("outbox_prepared_holding_vacuum_age_seconds") == 0
 
         reader.execute("COMMIT")
         resolver.resolve_once()
+        assert sample("outbox_session_transaction_age_seconds") < 1.0
         assert holder_age("outbox_prepared") >= holder_age("session")
         assert holder_age("outbox_prepared") >= holder_age("other_prepared")
         held = sample("outbox_prepared_holding_vacuum_age_seconds")

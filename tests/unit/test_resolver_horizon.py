@@ -51,3 +51,16 @@ def test_our_batch_is_reported_only_while_it_holds_the_horizon(
     metrics = observe(monkeypatch, {"outbox_prepared": HorizonHolder(7, 42.5), **others})
     assert value(metrics, "outbox_prepared_holding_vacuum_age_seconds") == held
     assert value(metrics, "outbox_xmin_horizon_age_transactions", holder="outbox_prepared") == 7
+
+
+@pytest.mark.parametrize(("holders", "age"), [
+    ({}, 0),                                                  # nothing open
+    ({"session": HorizonHolder(12, 640.5)}, 640.5),           # a client's open transaction
+    ({"session": HorizonHolder(12, None)}, 0),                # only a walsender or autovacuum
+    ({"outbox_prepared": HorizonHolder(7, 900.0)}, 0),        # ours is not a session's
+])
+def test_a_sessions_open_transaction_is_exported_in_seconds(
+    monkeypatch: pytest.MonkeyPatch, holders: dict[str, HorizonHolder], age: float
+) -> None:
+    metrics = observe(monkeypatch, holders)
+    assert value(metrics, "outbox_session_transaction_age_seconds") == age

@@ -21,6 +21,7 @@ LAG_ALERT = 60
 BACKLOG_ALERT = 1000
 IN_DOUBT_ALERT = 120
 SCAN_ALERT = 120
+SESSION_ALERT = 300
 
 
 def m(metric: str) -> str:
@@ -135,6 +136,13 @@ PANELS = [
           "in-doubt alert).",
           [(f"max by ({BY}) ({m('outbox_prepared_holding_vacuum_age_seconds')})",
             _legend("namespace", "job"))], unit="s"),
+    Panel("Oldest transaction of another session",
+          "Age of the oldest open transaction or snapshot of another client session in the "
+          "outbox's database. While it lives VACUUM removes no outbox row deleted after it began, "
+          "and every claim walks the dead rows: latency grows by the minute. The red line is "
+          f"OutboxVacuumHeldBySession's level ({SESSION_ALERT} s).",
+          [(f"max by ({BY}) ({m('outbox_session_transaction_age_seconds')})",
+            _legend("namespace", "job"))], unit="s", threshold=SESSION_ALERT),
     Panel("What holds back VACUUM (xid age)",
           "Age in transactions of the oldest transaction id each kind of holder keeps alive in "
           "this database: our prepared batches, other prepared transactions, sessions (open "

@@ -498,6 +498,7 @@ def _alert_levels() -> dict[str, float]:
     ("Lag (oldest unpublished event)", "OutboxLagHigh"),
     ("Backlog", "OutboxBacklogGrowing"),
     ("Oldest prepared transaction", "OutboxPreparedTransactionInDoubt"),
+    ("Oldest transaction of another session", "OutboxVacuumHeldBySession"),
     ("Since last resolver scan", "OutboxResolverNotRunning"),
 ])
 def test_dashboard_thresholds_are_the_alert_levels(title: str, alert: str) -> None:

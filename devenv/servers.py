@@ -1040,19 +1040,27 @@ class RabbitCluster:
         raise ServerError("no node of the cluster is running")
 
     def queue_info(self, name: str) -> dict[str, str]:
-        """A queue's ``leader`` and ``members`` (node names), from rabbitmqctl list_queues."""
-        out = self.ctl("list_queues", "-q", "--no-table-headers", "name", "leader", "members")
+        """A queue's ``leader`` and ``members`` (node names) and its process's ``pid``, from
+        rabbitmqctl list_queues."""
+        fields = ("leader", "members", "pid")
+        out = self.ctl("list_queues", "-q", "--no-table-headers", "name", *fields)
         for line in out.splitlines():
             parts = line.split("\t")
             if parts and parts[0] == name:
-                return {"leader": parts[1] if len(parts) > 1 else "",
-                        "members": parts[2] if len(parts) > 2 else ""}
-        return {"leader": "", "members": ""}
+                return {field: parts[i] if len(parts) > i else ""
+                        for i, field in enumerate(fields, start=1)}
+        return dict.fromkeys(fields, "")
 
     def leader(self, queue: str) -> RabbitServer | None:
         """The node leading a quorum queue or stream now, or None (no leader)."""
         name = self.queue_info(queue)["leader"]
         return next((node for node in self.nodes if node.node_name == name), None)
+
+    def home(self, queue: str) -> RabbitServer | None:
+        """The node a classic queue lives on (its process's node), or None."""
+        pid = self.queue_info(queue)["pid"]  # <node@host.N.N.N>
+        return next((node for node in self.nodes if pid.startswith(f"<{node.node_name}.")),
+                    None)
 
     def node_of_port(self, port: int) -> RabbitServer | None:
         return next((node for node in self.nodes if node.port == port), None)

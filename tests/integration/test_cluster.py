@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pika
 import pytest
@@ -34,19 +35,29 @@ def cluster() -> Iterator[RabbitCluster]:
         yield servers
 
 
+@contextmanager
+def cluster_env(pg_server: PostgresServer | External, cluster: RabbitCluster,
+                queue_arguments: dict[str, str] | None) -> Iterator[Env]:
+    """An env on the cluster whose ledger exists (replicated) before any node is killed:
+    RabbitMQ 3.10 loses a stream whose node dies within about a second of its first
+    declaration. Afterwards every node runs again."""
+    e = make_env(server_url(pg_server), cluster.url, tag="c", queue_arguments=queue_arguments)
+    try:
+        conn, channel = e.amqp_channel()
+        channel.queue_declare(e.ledger_stream, durable=True, arguments={
+            "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
+        conn.close()
+        time.sleep(1.5)
+        yield e
+    finally:
+        finish_env(e)
+        heal(cluster)
+
+
 @pytest.fixture
 def cenv(pg_server: PostgresServer | External, cluster: RabbitCluster) -> Iterator[Env]:
-    e = make_env(server_url(pg_server), cluster.url, tag="c", queue_arguments=QUORUM)
-    # The ledger exists (replicated) before any node is killed: RabbitMQ 3.10 loses a stream
-    # whose node dies within about a second of its first declaration.
-    conn, channel = e.amqp_channel()
-    channel.queue_declare(e.ledger_stream, durable=True, arguments={
-        "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
-    conn.close()
-    time.sleep(1.5)
-    yield e
-    finish_env(e)
-    heal(cluster)
+    with cluster_env(pg_server, cluster, QUORUM) as e:
+        yield e
 
 
 def heal(cluster: RabbitCluster) -> None:
@@ -117,13 +128,25 @@ def test_no_majority_commits_nothing_until_it_is_back(cenv: Env, cluster: Rabbit
     survivor = cluster.nodes[0]
     for node in cluster.nodes[1:]:
         node.kill()
-    time.sleep(8)  # batches in flight at the kill finish or fail (confirm timeout 5 s)
+    assert_nothing_commits(env, relays, "a batch committed without a majority")
+    assert survivor.running
+    heal_and_check(env, cluster, relays, produced)
+
+
+def assert_nothing_commits(env: Env, relays: list[subprocess.Popen[bytes]], what: str) -> None:
+    """After a fault: the outbox stays as it is for 10 s and every relay keeps running."""
+    time.sleep(8)  # batches in flight at the fault finish or fail (confirm timeout 5 s)
     before = outbox_count(env)
     time.sleep(10)
-    assert outbox_count(env) == before, "a batch committed without a majority"
-    assert survivor.running
+    assert outbox_count(env) == before, what
     for proc in relays:
         assert proc.poll() is None, log_of(proc)
+
+
+def heal_and_check(env: Env, cluster: RabbitCluster, relays: list[subprocess.Popen[bytes]],
+                   produced: list[str]) -> None:
+    """Every node back: every event arrives, none dead-lettered, duplicates only from the
+    batches the fault caught (a few per relay)."""
     heal(cluster)
     wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 120, "the outbox to drain")
     for proc in relays:
@@ -163,15 +186,6 @@ def test_the_ledger_is_replicated_and_a_single_replica_one_is_refused(
         finish_env(env)
 
 
-def home_node(cluster: RabbitCluster, queue: str) -> RabbitServer | None:
-    """The node a classic queue lives on (its process's node, from ``list_queues pid``)."""
-    out = cluster.ctl("list_queues", "-q", "--no-table-headers", "name", "pid")
-    for line in out.splitlines():
-        name, _, pid = line.partition("\t")
-        if name == queue:
-            return next((node for node in cluster.nodes if node.node_name in pid), None)
-    return None
-
 
 def test_a_classic_sink_queue_returns_its_events_while_its_node_is_down(
     pg_server: PostgresServer | External, cluster: RabbitCluster,
@@ -180,15 +194,9 @@ def test_a_classic_sink_queue_returns_its_events_while_its_node_is_down(
     is routed to it as unroutable (312 NO_ROUTE), so no batch commits and each row's attempt is
     counted and retried with backoff; once the node is back every event arrives, if that came
     before the rows ran out of attempts (docs/reliability.md, "What a confirm guarantees")."""
-    env = make_env(server_url(pg_server), cluster.url, tag="c")  # a classic queue
-    try:
-        home = home_node(cluster, env.queue)
+    with cluster_env(pg_server, cluster, None) as env:  # a classic queue
+        home = cluster.home(env.queue)
         assert home is not None, cluster.ctl("list_queues", "name", "pid")
-        conn, channel = env.amqp_channel()
-        channel.queue_declare(env.ledger_stream, durable=True, arguments={
-            "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
-        conn.close()
-        time.sleep(1.5)
         with env.connect() as db:
             produced = checker.insert_events(db, env.table, 3000, exchange=env.exchange,
                                              routing_key=env.routing_key)
@@ -198,21 +206,6 @@ def test_a_classic_sink_queue_returns_its_events_while_its_node_is_down(
         relays = [env.spawn("relay", **patient) for _ in range(RELAYS)]
         wait_until(lambda: outbox_count(env) < 2800, 90, "the relays to make progress")
         home.kill()
-        time.sleep(8)  # batches in flight at the kill finish or fail (confirm timeout 5 s)
-        before = outbox_count(env)
-        time.sleep(10)
-        assert outbox_count(env) == before, "a batch committed while its queue's node was down"
-        for proc in relays:
-            assert proc.poll() is None, log_of(proc)
+        assert_nothing_commits(env, relays, "a batch committed while its queue's node was down")
         assert any("312 NO_ROUTE" in log_of(proc) for proc in relays)
-        heal(cluster)
-        wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 120,
-                   "the outbox to drain")
-        for proc in relays:
-            assert stop(proc) == 0, log_of(proc)
-        report = env.drain_and_check(produced)
-        assert report.ok(max_duplicates=BATCH * RELAYS * 4), report.summary()
-        assert all("dead-lettered" not in log_of(proc) for proc in relays)
-    finally:
-        finish_env(env)
-        heal(cluster)
+        heal_and_check(env, cluster, relays, produced)

@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(e.g. 10000,50)")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
+    add("--sink-type", choices=("classic", "quorum"), default="classic",
+        help="the sink queues' type (default: classic, one node's queue; quorum: replicated, "
+        "RabbitMQ's choice for data that must not be lost)")
     add("--smoke", action="store_true", help="tiny sizes everywhere: seconds, for CI")
     add("--redraw", type=Path, metavar="JSON", help="only draw the chart of an earlier run")
     add("--out", type=Path, help="JSON results (default: results/bench.json or soak.json)")
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 extra_conf={"fsync": "on"}))
         rabbit = stack.enter_context(RabbitServer())
         migrate(pg.url, "outbox")
-        declare_sink(rabbit.url, args.sink_queues)
+        declare_sink(rabbit.url, args.sink_queues, args.sink_type)
         servers = Servers(pg.url, rabbit.url, pg.pids, rabbit.pids, args.sink_queues)
         logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-bench-")))
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "chart")}

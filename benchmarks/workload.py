@@ -68,13 +68,15 @@ def queue_names(queues: int) -> list[str]:
     return [QUEUE] if queues == 1 else [f"{QUEUE}.{i}" for i in range(queues)]
 
 
-def declare_sink(amqp_url: str, queues: int) -> None:
+def declare_sink(amqp_url: str, queues: int, queue_type: str = "classic") -> None:
+    """The sink: ``queues`` durable queues of ``queue_type`` (classic or quorum) bound to the
+    benchmark's topic exchange."""
     conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         channel = conn.channel()
         channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
         for i, name in enumerate(queue_names(queues)):
-            channel.queue_declare(name, durable=True)
+            channel.queue_declare(name, durable=True, arguments={"x-queue-type": queue_type})
             channel.queue_bind(name, EXCHANGE, routing_key="#" if queues == 1 else
                                f"{ROUTING_PREFIX}{i}")
     finally:

@@ -14,7 +14,12 @@ a loop injects, every few seconds, one of:
 - ``no_majority``: two nodes of three down for a while (nothing may commit meanwhile);
 - ``promote``: the PostgreSQL primary SIGKILLed and its standby promoted while relays hold
   prepared batches (a new standby is then built on the old primary's port);
-- ``postgres``: an immediate-mode crash and restart of the primary.
+- ``postgres``: an immediate-mode crash and restart of the primary;
+- ``cut``: every connection through the proxies of the RabbitMQ nodes, of the PostgreSQL
+  hosts, or of both, closed at once (the relays and the resolver reach every server through
+  a loopback proxy of its own, devenv/proxy.py);
+- ``blackhole``: one RabbitMQ node's proxy, or the PostgreSQL primary's, stops forwarding for
+  1-6 s (a partition: nothing answers), then drops the connections it held.
 
 A consumer reads the sink all along (moving to another node when its own dies). The time from
 each fault until events flow again is measured on the relays' commits (sampled every 0.1 s):
@@ -59,12 +64,14 @@ from devenv.chaos import (
     _spawn,
     _watch_in_doubt,
 )
+from devenv.proxy import LOOPBACK, Proxy
 from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
 from relay.migrate import migrate
 
 # Faults and their weights: node kills the most, the slow ones (promotion, no majority) less.
 FAULTS = {"relay": 3, "connected_node": 2, "ledger_leader": 2, "sink_leader": 2,
-          "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1}
+          "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1, "cut": 2,
+          "blackhole": 1}
 
 
 @dataclass
@@ -84,6 +91,12 @@ class Consumer(threading.Thread):
         self.deliveries: list[checker.Delivery] = []
         self.times: list[float] = []
         self.idle_since = time.monotonic()
+        self._seen: set[str] = set()
+        # Copies of a message this consumer had received already that the broker marked
+        # redelivered: the consumer's own duplicates (the ack of the first copy was lost with
+        # its node or connection), not the relays' (a copy the relays published again is new
+        # to the broker, not redelivered).
+        self.redelivered_copies = 0
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -101,7 +114,7 @@ class Consumer(threading.Thread):
                             break
                         if method is None:
                             continue
-                        self._record(props, body)
+                        self._record(method, props, body)
                         channel.basic_ack(method.delivery_tag)
                 finally:
                     if conn.is_open:
@@ -109,8 +122,12 @@ class Consumer(threading.Thread):
             except (pika.exceptions.AMQPError, OSError, ValueError):
                 time.sleep(0.3)
 
-    def _record(self, props: Any, body: bytes) -> None:
-        self.deliveries.append(checker.delivery(props, body))
+    def _record(self, method: Any, props: Any, body: bytes) -> None:
+        delivery = checker.delivery(props, body)
+        if method.redelivered and delivery.message_id in self._seen:
+            self.redelivered_copies += 1
+        self._seen.add(delivery.message_id)
+        self.deliveries.append(delivery)
         self.times.append(time.monotonic())
         self.idle_since = time.monotonic()
 
@@ -175,9 +192,13 @@ class Injector:
     # the relay and PostgreSQL faults need not wait for it (the next RabbitMQ fault does).
     restarts: list[threading.Thread] = field(default_factory=list)
     flow: Flow | None = None  # the relays' commits, for the no-majority check
+    # The relays' and the resolver's way to each server: one proxy per RabbitMQ node (in the
+    # cluster's order) and one per PostgreSQL port (the pair keeps its two ports).
+    mq_proxies: list[Proxy] = field(default_factory=list)
+    pg_proxies: dict[int, Proxy] = field(default_factory=dict)
 
     def inject(self, fault: str) -> None:
-        if fault not in ("relay", "promote", "postgres"):
+        if fault not in ("relay", "promote", "postgres", "cut", "blackhole"):
             self.wait_restarts()
         self.figures.injected.append((fault, time.monotonic()))
         getattr(self, f"_{fault}")()
@@ -258,6 +279,21 @@ class Injector:
         self.pair.primary.restart()
         self.tally.postgres_restarts += 1
 
+    def _cut(self) -> None:
+        pg = list(self.pg_proxies.values())
+        for proxy in self.rng.choice([self.mq_proxies, pg, self.mq_proxies + pg]):
+            proxy.cut()
+        self.tally.connection_cuts += 1
+
+    def _blackhole(self) -> None:
+        """A partition of one server: a RabbitMQ node (its peers and the other relays carry
+        on) or the PostgreSQL primary (every relay waits)."""
+        proxy = self.rng.choice([*self.mq_proxies, self.pg_proxies[self.pair.primary.port]])
+        proxy.blackhole()
+        time.sleep(self.rng.uniform(1, 6))
+        proxy.heal()
+        self.tally.black_holes += 1
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./dev chaos --cluster", description=__doc__)
@@ -302,8 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.5)  # RabbitMQ 3.10 loses a stream killed within ~1 s of its declaration
         print(f"servers up in {time.monotonic() - started_servers:.0f} s", flush=True)
 
+        mq_proxies = [stack.enter_context(Proxy.to(url)) for url in cluster.urls]
+        pg_proxies = {server.port: stack.enter_context(Proxy(LOOPBACK, server.port))
+                      for server in (pair.primary, pair.standby)}
+        hosts = ",".join(f"{LOOPBACK}:{proxy.port}" for proxy in pg_proxies.values())
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pair.url, "OUTBOX_AMQP_URL": cluster.url,
+        env.update({"OUTBOX_DATABASE_URL": pair.url.replace(pair.hosts, hosts),
+                    "OUTBOX_AMQP_URL": ",".join(proxy.url(url) for proxy, url
+                                                in zip(mq_proxies, cluster.urls, strict=True)),
                     "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
                     "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
                     "OUTBOX_CONNECT_TIMEOUT": "3",
@@ -314,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
         injector = Injector(rng, tally, figures, cluster, pair,
                             lambda i: _spawn(f"relay-{i}", "relay", env, logdir), procs,
-                            args.relays)
+                            args.relays, mq_proxies=mq_proxies, pg_proxies=pg_proxies)
 
         def respawn_exited() -> None:
             for i, proc in enumerate(procs):
@@ -355,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         next_fault = started + rng.uniform(*args.fault_gap)
         # In turn: the slow checks first, and RabbitMQ faults (which wait for the last node's
         # restart) between the others, so a short run covers the most kinds.
-        cycle = ["no_majority", "relay", "promote", "connected_node", "postgres",
-                 "ledger_leader", "sink_leader", "node_restart"]
+        cycle = ["no_majority", "relay", "promote", "cut", "connected_node", "blackhole",
+                 "postgres", "ledger_leader", "sink_leader", "node_restart"]
         count = 0
         while time.monotonic() - started < args.duration:
             respawn_exited()
@@ -420,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
             "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
+            "duplicated_by_redelivery": consumer.redelivered_copies,
             "order_violations": sum(report.order_violations.values()),
             "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
             "committed_without_majority": figures.committed_without_majority,

@@ -588,9 +588,13 @@ class PostgresPair:
         self.standby = PostgresStandby(self.primary, base_dir=base_dir)
 
     @property
+    def hosts(self) -> str:
+        """The host list of ``url``: ``host:port,host:port``, the primary first."""
+        return f"{_LOOPBACK}:{self.primary.port},{_LOOPBACK}:{self.standby.port}"
+
+    @property
     def url(self) -> str:
-        return (f"postgresql://postgres@{_LOOPBACK}:{self.primary.port},{_LOOPBACK}:"
-                f"{self.standby.port}/outbox?target_session_attrs=read-write")
+        return f"postgresql://postgres@{self.hosts}/outbox?target_session_attrs=read-write"
 
     def start(self, timeout: float = 120.0) -> None:
         self.primary.start(timeout)

@@ -484,6 +484,13 @@ class Relay(Loop):
         ):
             if client.connected:
                 continue
+            if server is Server.RABBITMQ and self._ahead is not None:
+                # The rows claimed ahead wait in an open transaction. A broker outage can last
+                # minutes, and a transaction open that long holds back VACUUM on every table
+                # (and would be the oldest session OutboxVacuumHeldBySession reports): free
+                # them now and claim again once connected.
+                self._ahead = None
+                self.store.rollback()
             self._mark_down(server)
             self._retrying(server)(connect)
             self._mark_up(server)

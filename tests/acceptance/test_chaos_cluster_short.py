@@ -1,6 +1,7 @@
 """The cluster chaos run in short form: 3 RabbitMQ nodes and a PostgreSQL primary with a
 synchronous standby, cluster faults in turn under load (no majority, relay kill, promotion,
-the relay's node, a PostgreSQL crash, leaders... as many as fit), hostile rows mixed in, then the checker."""
+connection cuts, the relay's node, a black hole, a PostgreSQL crash, leaders... as many as
+fit), hostile rows mixed in, then the checker."""
 
 from __future__ import annotations
 

@@ -1054,6 +1054,26 @@ def test_a_connection_fault_forgets_the_claim_made_ahead(monkeypatch: pytest.Mon
     assert sorted(rig.store.rows) == [3, 4]
 
 
+def test_a_lost_broker_frees_the_claim_made_ahead_before_reconnecting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    ids = rig.store.add_many(4)
+    # The broker goes away while the first batch waits for its confirms, the next one claimed.
+    rig.publisher.script(ids[0], Outcome.TIMEOUT, times=1)
+    rig.relay.run_batch()
+    assert rig.batches("rolled_back") == 1 and rig.relay.claimed_ahead
+    assert not rig.publisher.connected
+    open_while_reconnecting: list[object] = []
+    rig.publisher.before("connect", lambda: open_while_reconnecting.append(rig.store.open))
+
+    rig.relay.ensure_connected()
+
+    # Nothing stays claimed in an open transaction while the relay waits for the broker.
+    assert open_while_reconnecting == [None]
+    # Back in the outbox: the unconfirmed row and the two claimed ahead (row 2 was confirmed).
+    assert rig.relay.claimed_ahead == [] and sorted(rig.store.rows) == [ids[0], *ids[2:]]
+
+
 # -- hostile rows (issue 10) ------------------------------------------------------------------
 
 

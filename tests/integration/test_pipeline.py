@@ -32,6 +32,16 @@ def outbox_count(env: Env) -> int:
         return int(row.fetchone()[0])  # type: ignore[index]
 
 
+def relay_transactions(env: Env) -> int:
+    """Open transactions of the relay's sessions ("outbox-relay" and "outbox-relay claim")."""
+    with env.connect() as db:
+        row = db.execute("SELECT count(*) FROM pg_stat_activity WHERE starts_with("
+                         "application_name, 'outbox-relay') AND xact_start IS NOT NULL"
+                         ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def in_doubt(env: Env, *, older_than: float = 0.0) -> list[str]:
     """This table's in-doubt gids, those prepared more than ``older_than`` seconds ago."""
     with env.connect() as conn:

@@ -92,13 +92,7 @@ class Consumer(threading.Thread):
         self.deliveries: list[checker.Delivery] = []
         self.times: list[float] = []
         self.idle_since = time.monotonic()
-        self._seen: set[str] = set()
         self.redelivered: list[bool] = []  # the broker's redelivered flag, per delivery
-        # Copies of a message this consumer had received already that the broker marked
-        # redelivered: the consumer's own duplicates (the ack of the first copy was lost with
-        # its node or connection), not the relays' (a copy the relays published again is new
-        # to the broker, not redelivered).
-        self.redelivered_copies = 0
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -125,11 +119,7 @@ class Consumer(threading.Thread):
                 time.sleep(0.3)
 
     def _record(self, method: Any, props: Any, body: bytes) -> None:
-        delivery = checker.delivery(props, body)
-        if method.redelivered and delivery.message_id in self._seen:
-            self.redelivered_copies += 1
-        self._seen.add(delivery.message_id)
-        self.deliveries.append(delivery)
+        self.deliveries.append(checker.delivery(props, body))
         self.redelivered.append(bool(method.redelivered))
         self.times.append(time.monotonic())
         self.idle_since = time.monotonic()
@@ -168,19 +158,23 @@ class Flow(threading.Thread):
             last = max(last, relayed)
 
 
-def late_redeliveries(deliveries: list[checker.Delivery], redelivered: list[bool]) -> int:
-    """Of the order violations the checker counts (a key's first copies out of id order), those
-    whose late event came as a broker redelivery: a message handed to a consumer that died
-    with it, returned after newer ones went to the next consumer (the consumer's side)."""
-    late, last, seen = 0, dict[str, int](), set[str]()
+def redelivered_copies(deliveries: list[checker.Delivery], redelivered: list[bool]) -> int:
+    """Copies of a message the consumer had received already that the broker marked
+    redelivered: the consumer's own duplicates (the ack of the first copy was lost with its node
+    or connection), not the relays' (a copy the relays published again is new to the broker)."""
+    seen: set[str] = set()
+    copies = 0
     for d, again in zip(deliveries, redelivered, strict=True):
-        if d.message_id in seen or d.key is None or d.seq is None:
-            continue
+        copies += again and d.message_id in seen
         seen.add(d.message_id)
-        if d.seq < last.get(d.key, -1) and again:
-            late += 1
-        last[d.key] = max(last.get(d.key, -1), d.seq)
-    return late
+    return copies
+
+
+def late_redeliveries(deliveries: list[checker.Delivery], redelivered: list[bool]) -> int:
+    """Of the order violations the checker counts, those whose late event came as a broker
+    redelivery: a message handed to a consumer that died with it, returned after newer ones
+    went to the next consumer (the consumer's side)."""
+    return sum(redelivered[i] for i, _key in checker.late_first_copies(deliveries))
 
 
 def recovery_seconds(times: list[float], at: float, until: float) -> float:
@@ -494,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
             "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
-            "duplicated_by_redelivery": consumer.redelivered_copies,
+            "duplicated_by_redelivery": redelivered_copies(consumer.deliveries,
+                                                           consumer.redelivered),
             "order_violations": sum(report.order_violations.values()),
             "order_violations_by_redelivery": late_redeliveries(consumer.deliveries,
                                                                 consumer.redelivered),

@@ -155,6 +155,23 @@ def delivery(props: Any, body: bytes) -> Delivery:
     return Delivery(props.message_id, key, position)
 
 
+def late_first_copies(deliveries: list[Delivery]) -> list[tuple[int, str]]:
+    """Order per key: the position in ``deliveries`` and the key of each first copy that came
+    after a newer event of its key (first copies only, in delivery order, must have increasing
+    seq)."""
+    late: list[tuple[int, str]] = []
+    last: dict[str, int] = {}
+    first_seen: set[str] = set()
+    for i, d in enumerate(deliveries):
+        if d.message_id in first_seen or d.key is None or d.seq is None:
+            continue
+        first_seen.add(d.message_id)
+        if d.seq < last.get(d.key, -1):
+            late.append((i, d.key))
+        last[d.key] = max(last.get(d.key, -1), d.seq)
+    return late
+
+
 def check(
     produced: list[str],
     deliveries: list[Delivery],
@@ -167,17 +184,7 @@ def check(
     produced_set = set(produced)
     copies = Counter(d.message_id for d in deliveries)
     delivered_set = set(copies)
-    # Order per key: first copies only, in delivery order, must have increasing seq.
-    violations: Counter[str] = Counter()
-    last: dict[str, int] = {}
-    first_seen: set[str] = set()
-    for d in deliveries:
-        if d.message_id in first_seen or d.key is None or d.seq is None:
-            continue
-        first_seen.add(d.message_id)
-        if d.seq < last.get(d.key, -1):
-            violations[d.key] += 1
-        last[d.key] = max(last.get(d.key, -1), d.seq)
+    violations = Counter(key for _i, key in late_first_copies(deliveries))
     left = dead = in_doubt = 0
     dead_ids: list[str] = []
     if conn is not None:

@@ -3,7 +3,6 @@ and the batch size where they apply, and never the password."""
 
 from __future__ import annotations
 
-import json
 import signal
 from typing import Any
 
@@ -13,7 +12,7 @@ from psycopg.types.json import Jsonb
 from devenv import checker
 from relay.queries import Tables
 from tests.conftest import Env
-from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
+from tests.integration.test_pipeline import in_doubt, json_lines, log_of, outbox_count, stop, wait_until
 
 SECRET = "pw-Xq7-never-logged"
 
@@ -25,15 +24,6 @@ def with_password(url: str) -> tuple[str, str]:
     if ":" in userinfo:
         return url, userinfo.split(":", 1)[1]
     return f"{scheme}://{userinfo}:{SECRET}@{host}", SECRET
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    lines = []
-    for raw in text.splitlines():
-        line = json.loads(raw)  # every line is one JSON object, tracebacks included
-        assert isinstance(line, dict), raw
-        lines.append(line)
-    return lines
 
 
 def test_json_logs_name_every_event_with_gid_and_batch_size_and_hide_the_password(

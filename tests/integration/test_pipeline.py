@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -54,6 +55,16 @@ def in_doubt(env: Env, *, older_than: float = 0.0) -> list[str]:
 
 def log_of(proc: subprocess.Popen[bytes]) -> str:
     return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """A log written with OUTBOX_LOG_FORMAT=json, one object per line."""
+    lines = []
+    for raw in text.splitlines():
+        line = json.loads(raw)  # every line is one JSON object, tracebacks included
+        assert isinstance(line, dict), raw
+        lines.append(line)
+    return lines
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:

@@ -12,8 +12,10 @@ drained and second by second, each against the ceiling measured before and after
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ def run(servers: Servers, rabbit: RabbitServer, logdir: Path, *, rate: int, warm
         with psycopg.connect(servers.db_url, autocommit=True) as conn:
             backlog_at_stop_end = _backlog(conn)
             rabbit.start()
-            started = time.monotonic()
+            started, started_wall = time.monotonic(), time.time()
             say(f"outage: RabbitMQ started again; backlog {backlog_at_stop_end:,} rows")
             depth = SinkDepth(servers)
             try:
@@ -90,7 +92,19 @@ def run(servers: Servers, rabbit: RabbitServer, logdir: Path, *, rate: int, warm
     ceilings.append(ceiling.publish_rate(servers, events, window).rate)
     purge_sink(servers)
     return {**summarize(samples, backlog_at_stop_end, ceilings, rate, outage, produced.count),
+            "relays_reconnected_after_start_s": [
+                _reconnected(program, started_wall) for program in programs[1:]],
             "duplicates": report.duplicates}
+
+
+def _reconnected(program: processes.Program, since: float) -> float | None:
+    """Seconds from ``since`` (wall clock) to the relay's log line saying RabbitMQ is back."""
+    for line in program.log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if entry.get("action") == "reconnected" and entry.get("server") == "rabbitmq":
+                return round(datetime.fromisoformat(entry["time"]).timestamp() - since, 2)
+    return None
 
 
 def summarize(samples: list[tuple[float, int, int]], backlog: int, ceilings: list[float],

@@ -93,6 +93,11 @@ class Consumer(threading.Thread):
         self.times: list[float] = []
         self.idle_since = time.monotonic()
         self.redelivered: list[bool] = []  # the broker's redelivered flag, per delivery
+        # Per delivery, to explain an order violation: which connection (1, 2, ...) got it and
+        # the quorum queue's x-delivery-count header (absent on a first delivery).
+        self.connections: list[int] = []
+        self.delivery_counts: list[int | None] = []
+        self.connection = 0
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -102,6 +107,7 @@ class Consumer(threading.Thread):
                     p.connection_attempts, p.socket_timeout = 1, 3
                 random.shuffle(params)
                 conn = pika.BlockingConnection(params)
+                self.connection += 1
                 try:
                     channel = conn.channel()
                     channel.basic_qos(prefetch_count=2000)
@@ -121,6 +127,9 @@ class Consumer(threading.Thread):
     def _record(self, method: Any, props: Any, body: bytes) -> None:
         self.deliveries.append(checker.delivery(props, body))
         self.redelivered.append(bool(method.redelivered))
+        self.connections.append(self.connection)
+        count = (props.headers or {}).get("x-delivery-count")
+        self.delivery_counts.append(count if isinstance(count, int) else None)
         self.times.append(time.monotonic())
         self.idle_since = time.monotonic()
 
@@ -175,6 +184,34 @@ def late_redeliveries(deliveries: list[checker.Delivery], redelivered: list[bool
     redelivery: a message handed to a consumer that died with it, returned after newer ones
     went to the next consumer (the consumer's side)."""
     return sum(redelivered[i] for i, _key in checker.late_first_copies(deliveries))
+
+
+def order_violation_details(consumer: Consumer, started: float,
+                            injected: list[tuple[str, float]]) -> list[dict[str, object]]:
+    """Each late first copy beside the newer event of its key that came before it: the
+    connection each came on, the broker's redelivered flag and x-delivery-count, seconds into
+    the run, and the last fault before it."""
+    ds = consumer.deliveries
+    first: dict[str, int] = {}
+    for i, d in enumerate(ds):
+        first.setdefault(d.message_id, i)
+
+    def described(i: int) -> dict[str, object]:
+        at = consumer.times[i]
+        faults = [(kind, round(at - when, 2)) for kind, when in injected if when <= at]
+        return {"message_id": ds[i].message_id, "seq": ds[i].seq,
+                "connection": consumer.connections[i], "redelivered": consumer.redelivered[i],
+                "delivery_count": consumer.delivery_counts[i], "at": round(at - started, 2),
+                "after_fault": faults[-1] if faults else None}
+
+    details: list[dict[str, object]] = []
+    for i, key in checker.late_first_copies(ds):
+        late_seq = ds[i].seq or 0
+        newer = min((j for j in first.values()
+                     if j < i and ds[j].key == key and (ds[j].seq or 0) > late_seq), default=None)
+        details.append({"key": key, "late": described(i),
+                        "first_newer": described(newer) if newer is not None else None})
+    return details
 
 
 def recovery_seconds(times: list[float], at: float, until: float) -> float:
@@ -493,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             "order_violations": sum(report.order_violations.values()),
             "order_violations_by_redelivery": late_redeliveries(consumer.deliveries,
                                                                 consumer.redelivered),
+            "order_violation_details": order_violation_details(consumer, started,
+                                                               figures.injected),
             "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
             "committed_without_majority": figures.committed_without_majority,
             "longest_in_doubt_seconds": round(tally.max_in_doubt_seconds, 2),

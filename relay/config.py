@@ -379,8 +379,9 @@ CONNECT_TIMEOUT = Option(
     "seconds to wait for a PostgreSQL or RabbitMQ connection",
 )
 RECONNECT_MAX_DELAY = Option(
-    "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", _positive_float, "30",
-    "longest wait between reconnection attempts (exponential backoff with jitter)",
+    "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", _positive_float, "5",
+    "longest wait between reconnection attempts (exponential backoff with full jitter): a "
+    "server back after a long outage is found again within this many seconds",
 )
 def _standby(text: str) -> str:
     if text and not re.fullmatch(r"[A-Za-z0-9_.-]{1,63}", text):

@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                       for server in (pair.primary, pair.standby)}
         hosts = ",".join(f"{LOOPBACK}:{proxy.port}" for proxy in pg_proxies.values())
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pair.url.replace(pair.hosts, hosts),
+        env.update({"OUTBOX_DATABASE_URL": pair.url_via(hosts),
                     "OUTBOX_AMQP_URL": ",".join(proxy.url(url) for proxy, url
                                                 in zip(mq_proxies, cluster.urls, strict=True)),
                     "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",

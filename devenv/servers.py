@@ -594,7 +594,11 @@ class PostgresPair:
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@{self.hosts}/outbox?target_session_attrs=read-write"
+        return self.url_via(self.hosts)
+
+    def url_via(self, hosts: str) -> str:
+        """The multi-host URL through other addresses (proxies), ``host:port,...`` in order."""
+        return f"postgresql://postgres@{hosts}/outbox?target_session_attrs=read-write"
 
     def start(self, timeout: float = 120.0) -> None:
         self.primary.start(timeout)

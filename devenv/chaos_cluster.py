@@ -179,18 +179,18 @@ def redelivered_copies(deliveries: list[checker.Delivery], redelivered: list[boo
     return copies
 
 
-def late_redeliveries(deliveries: list[checker.Delivery], redelivered: list[bool]) -> int:
-    """Of the order violations the checker counts, those whose late event came as a broker
-    redelivery: a message handed to a consumer that died with it, returned after newer ones
-    went to the next consumer (the consumer's side)."""
-    return sum(redelivered[i] for i, _key in checker.late_first_copies(deliveries))
+def late_redeliveries(late: list[tuple[int, str]], redelivered: list[bool]) -> int:
+    """Of the order violations the checker counts (``late``: checker.late_first_copies), those
+    whose late event came as a broker redelivery: a message handed to a consumer that died with
+    it, returned after newer ones went to the next consumer (the consumer's side)."""
+    return sum(redelivered[i] for i, _key in late)
 
 
-def order_violation_details(consumer: Consumer, started: float,
+def order_violation_details(consumer: Consumer, late: list[tuple[int, str]], started: float,
                             injected: list[tuple[str, float]]) -> list[dict[str, object]]:
-    """Each late first copy beside the newer event of its key that came before it: the
-    connection each came on, the broker's redelivered flag and x-delivery-count, seconds into
-    the run, and the last fault before it."""
+    """Each late first copy (``late``: checker.late_first_copies) beside the newer event of its
+    key that came before it: the connection each came on, the broker's redelivered flag and
+    x-delivery-count, seconds into the run, and the last fault before it."""
     ds = consumer.deliveries
     first: dict[str, int] = {}
     for i, d in enumerate(ds):
@@ -205,7 +205,7 @@ def order_violation_details(consumer: Consumer, started: float,
                 "after_fault": faults[-1] if faults else None}
 
     details: list[dict[str, object]] = []
-    for i, key in checker.late_first_copies(ds):
+    for i, key in late:
         late_seq = ds[i].seq or 0
         newer = min((j for j in first.values()
                      if j < i and ds[j].key == key and (ds[j].seq or 0) > late_seq), default=None)
@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         ends = [at for _kind, at in figures.injected[1:]] + [started + args.duration]
         recoveries = [recovery_seconds(flow.times, at, min(end, at + 60))
                       for (_kind, at), end in zip(figures.injected, ends, strict=True)]
+        late = checker.late_first_copies(consumer.deliveries)  # what check() counted
         by_kind: dict[str, list[float]] = {}
         for (kind, _at), seconds in zip(figures.injected, recoveries, strict=True):
             by_kind.setdefault(kind, []).append(seconds)
@@ -528,9 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             "duplicated_by_redelivery": redelivered_copies(consumer.deliveries,
                                                            consumer.redelivered),
             "order_violations": sum(report.order_violations.values()),
-            "order_violations_by_redelivery": late_redeliveries(consumer.deliveries,
-                                                                consumer.redelivered),
-            "order_violation_details": order_violation_details(consumer, started,
+            "order_violations_by_redelivery": late_redeliveries(late, consumer.redelivered),
+            "order_violation_details": order_violation_details(consumer, late, started,
                                                                figures.injected),
             "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
             "committed_without_majority": figures.committed_without_majority,

@@ -361,3 +361,50 @@ def test_the_resolvers_scans_read_shared_memory_only_never_the_outbox(env: Env) 
         finally:
             for gid in gids:
                 admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+
+def test_rows_other_transactions_hold_are_stepped_over_before_the_key_probes(env: Env) -> None:
+    """A batch in flight (prepared) and a claim made ahead (open) hold the first rows: the claim
+    steps over them by their xmax, never probing their keys (before, each was probed and then
+    skipped by SKIP LOCKED: with 4 relays, up to 16,000 rows a claim). Rows whose xmax is only
+    left over (a claim rolled back) or a multixact (two share locks, both ended) are claimed."""
+    tables = Tables(env.table)
+    gid = f"{env.table}-held-batch"
+    with env.connect() as admin, env.connect() as claim_conn, env.connect() as ahead, \
+            env.connect() as first, env.connect() as second:
+        _insert(admin, tables.outbox, 3 * BATCH, keys=3 * BATCH)  # a key of its own each
+        ids = _ids(admin, tables, attempts=0)
+        lock = sql.SQL("SELECT id FROM {} WHERE id = ANY(%s) FOR {}").format
+        admin.execute("BEGIN")
+        admin.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(tables.outbox),
+                      (ids[:BATCH],))
+        admin.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        try:
+            with ahead.transaction():
+                ahead.execute(lock(tables.outbox, sql.SQL("UPDATE")), (ids[BATCH:2 * BATCH],))
+                with first.transaction(force_rollback=True):
+                    first.execute(lock(tables.outbox, sql.SQL("UPDATE")),
+                                  (ids[2 * BATCH:2 * BATCH + 10],))
+                shared = ids[2 * BATCH + 10:2 * BATCH + 20]
+                with first.transaction(), second.transaction():
+                    for conn in (first, second):
+                        conn.execute(lock(tables.outbox, sql.SQL("SHARE")), (shared,))
+                left = dict(admin.execute(sql.SQL(
+                    "SELECT id, xmax::text::bigint FROM {} WHERE id = ANY(%s)").format(
+                    tables.outbox), (ids[2 * BATCH:2 * BATCH + 20],)).fetchall())
+                assert all(left.values()), left  # every one of them has an xmax left over
+
+                store.claim_session(claim_conn)
+                with claim_conn.transaction(force_rollback=True):
+                    explained = claim_conn.execute(
+                        sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + tables.query("claim"),
+                        CLAIM).fetchone()
+                assert explained is not None
+                plan = explained[0][0]["Plan"]
+                probes = [n["Actual Loops"] for n in nodes(plan) if _key_probe(plan, n)]
+                assert probes and max(probes) <= BATCH, f"{probes}\n{plan}"
+                with claim_conn.transaction(force_rollback=True):
+                    rows = claim_conn.execute(tables.query("claim"), CLAIM).fetchall()
+                assert sorted(r[0] for r in rows) == ids[2 * BATCH:]
+        finally:
+            admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))

@@ -39,10 +39,10 @@
 -- - Rows another transaction holds (a batch in flight, prepared or in doubt, or a claim
 --   made ahead) are stepped over before any per-key probe below: their xmax names a running
 --   transaction (one the snapshot lists, or one newer than the snapshot and older than the
---   first age() reading of this transaction; age() assigns no transaction id, so an empty
---   claim still writes nothing). SKIP LOCKED would skip them too, but only after the probes:
---   with 4 relays, up to 16,000 such rows come before the first free one, and probing each
---   made PostgreSQL's CPU per 50,000 keyed events 1.3 s instead of 0.9 (docs/performance.md).
+--   first age() reading of this transaction; age() assigns no transaction id, so a claim that
+--   locks nothing still writes nothing). SKIP LOCKED would skip them too, but only after the
+--   probes: with 4 relays, up to 16,000 such rows come before the first free one, and probing
+--   each cost PostgreSQL about a quarter more CPU per keyed event (docs/performance.md).
 --   xmax is only a hint here, never trusted for order (the checks below still decide): a
 --   row whose locker finished after the snapshot waits for the next claim, and a multixact
 --   (share locks of other clients) read as a transaction id at worst has its row stepped over

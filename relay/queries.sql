@@ -75,9 +75,11 @@
 -- ordering_key IS NULL).
 WITH live AS MATERIALIZED (
     -- The transactions running at this statement's snapshot: those it lists, and those that
-    -- started after it and before this transaction first read age() (lag: how many).
-    SELECT ARRAY(SELECT xid(x) FROM pg_snapshot_xip(s) AS x) AS xids,
-           age(xid(pg_snapshot_xmax(s))) AS lag
+    -- started after it and before this transaction first read age() (lag: how many). An xid8
+    -- becomes an xid through text (its low 32 bits), the way every supported version has.
+    SELECT ARRAY(SELECT mod(x::text::numeric, 4294967296)::text::xid
+                 FROM pg_snapshot_xip(s) AS x) AS xids,
+           age(mod(pg_snapshot_xmax(s)::text::numeric, 4294967296)::text::xid) AS lag
     FROM pg_current_snapshot() AS s
 ), claimed AS (
     DELETE FROM {outbox}

@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
         help="run the per-key order scenario (keys.py) instead of the benchmark: relay x1 and "
-        "x4 on events with each number of distinct ordering keys, against events without one "
-        "(e.g. 10000,50)")
+        "x4 (the benchmark's loop and the real programs) on events with each number of "
+        "distinct ordering keys, against events without one (e.g. 10000,50)")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
     add("--sink-type", choices=("classic", "quorum"), default="classic",
@@ -271,7 +271,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             outage=args.outage_seconds, tail=min(60.0, args.outage_seconds * 2),
             events=min(50_000, args.burst_events * 5), window=window)
     if args.keys:
-        results["keys"] = keys.run(servers, key_counts=args.keys, events=args.events,
+        results["keys"] = keys.run(servers, logdir, key_counts=args.keys, events=args.events,
                                    batch_size=args.batch_size, rounds=args.rounds, window=window)
     results["targets"] = report.check_scenarios(results)
     if args.keys:

@@ -3,6 +3,13 @@ same relays on events without a key, and on events without a key that carry the 
 keyed message gets (x-ordering-key, x-outbox-id): the headers' cost and the order's apart.
 Each also as a ratio to the ceiling of its round.
 
+Both as the relay's loop in benchmark processes on a pre-filled outbox (throughput.py) and as
+the real ``outbox-relay run`` programs at default settings, timed from the COMMIT of a burst of
+the same events in one transaction until the sink holds them (cli_relays.py): the programs are
+what a user runs, and they differ where it matters here, since after a claim that finds nothing
+the benchmark's loop polls again in 5 ms and the program waits longer each time (from
+OUTBOX_POLL_MIN_INTERVAL up to OUTBOX_POLL_MAX_INTERVAL).
+
 Each key's rows wait for its batch in flight (relay/queries.sql), so with few keys a batch holds
 every key and the next batch, of the same relay or another, finds nothing to claim until it
 commits: the relays take turns instead of overlapping. With many keys a batch holds a few rows
@@ -12,9 +19,10 @@ of each and the rest flows.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
-from benchmarks import ceiling, throughput
+from benchmarks import ceiling, cli_relays, throughput
 from benchmarks.workload import Servers, say
 
 RELAYS = (1, 4)
@@ -29,22 +37,35 @@ def _median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def run(servers: Servers, *, key_counts: list[int], events: int, batch_size: int, rounds: int,
-        window: int) -> dict[str, Any]:
-    rates: dict[str, dict[int, list[float]]] = {
-        label: {n: [] for n in RELAYS} for label in ["none", HEADERS, *map(str, key_counts)]}
+def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, batch_size: int,
+        rounds: int, window: int) -> dict[str, Any]:
+    labels = ["none", HEADERS, *map(str, key_counts)]
+    loop: dict[str, dict[int, list[float]]] = {label: {n: [] for n in RELAYS} for label in labels}
+    programs: dict[str, dict[int, list[float]]] = {
+        label: {n: [] for n in RELAYS} for label in labels}
     ceilings: list[float] = []
     for r in range(rounds):
-        say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 without keys, without keys "
-            f"but with their headers, and with {', '.join(f'{k:,}' for k in key_counts)} keys")
+        say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 (loop, then programs) without "
+            f"keys, without keys but with their headers, and with "
+            f"{', '.join(f'{k:,}' for k in key_counts)} keys")
         ceilings.append(ceiling.publish_rate(servers, events, window).rate)
-        for label in rates:
+        for label in labels:
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
             for n in RELAYS:
-                rates[label][n].append(throughput.relay_run(
+                loop[label][n].append(throughput.relay_run(
                     keyed, events, n, batch_size=batch_size, tag=f"k{label}r{r}x{n}").rate)
+                programs[label][n].append(cli_relays.rate(
+                    keyed, logdir, n, events, f"k{label}r{r}"))
     top = _median(ceilings)
+    return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
+            "events": events, "batch_size": batch_size, "series": _series(loop, top),
+            "programs": _series(programs, top)}
+
+
+def _series(rates: dict[str, dict[int, list[float]]], top: float) -> dict[str, Any]:
+    """Each label's median rate per relay count, as ratios to the ceiling, to the keyless rate
+    and (keyed labels) to the rate of keyless rows carrying the same headers."""
     keyless = {n: _median(runs) for n, runs in rates["none"].items()}
     with_headers = {n: _median(runs) for n, runs in rates[HEADERS].items()}
     series: dict[str, dict[str, dict[str, Any]]] = {}
@@ -59,15 +80,18 @@ def run(servers: Servers, *, key_counts: list[int], events: int, batch_size: int
             if label.isdigit():  # what the order costs beyond its headers
                 entry["ratio_to_headers"] = round(_median(runs) / with_headers[n], 3)
             series[label][str(n)] = entry
-    return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
-            "events": events, "batch_size": batch_size, "series": series}
+    return series
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    series = results["series"].get(str(TARGET_KEYS))
-    if series is None:
-        return []
-    return [{"target": f"relay x{n} with {TARGET_KEYS:,} keys / without keys >= {TARGET_RATIO}",
-             "measured": entry["ratio_to_keyless"],
-             "met": entry["ratio_to_keyless"] >= TARGET_RATIO}
-            for n, entry in series.items()]
+    """The target on the real programs (what a user gets), and the loop's figure beside it."""
+    checked = []
+    for source, what in (("programs", "outbox-relay run"), ("series", "benchmark loop")):
+        series = results.get(source, {}).get(str(TARGET_KEYS))
+        for n, entry in (series or {}).items():
+            checked.append({
+                "target": f"relay x{n} ({what}) with {TARGET_KEYS:,} keys / without keys "
+                          f">= {TARGET_RATIO}",
+                "measured": entry["ratio_to_keyless"],
+                "met": entry["ratio_to_keyless"] >= TARGET_RATIO})
+    return checked

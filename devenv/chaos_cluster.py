@@ -22,16 +22,21 @@ a loop injects, every few seconds, one of:
   1-6 s (a partition: nothing answers), then drops the connections it held.
 
 A consumer reads the sink all along (moving to another node when its own dies;
-``--single-active-consumer`` declares the sink with it). The time from
+``--single-active-consumer`` declares the sink with it). A second quorum queue, the audit
+queue, gets a copy of every event and is read only after the run, on a calm cluster: its
+order is the order the events reached the broker, which is what the relays guarantee per key;
+the consumer's own order is reported beside it (a 3.10 quorum queue can hand a consumer
+messages out of order by itself, ``order_violation_details``). The time from
 each fault until events flow again is measured on the relays' commits (sampled every 0.1 s):
 the end of the longest pause over 1 s that began within 5 s of the fault (else the first
 commit after it). At the end everything drains and the total-queue checker runs: lost, unexpected,
-duplicates, dead letters, what is left in the outbox or in doubt.
+duplicates, order at the broker, dead letters, what is left in the outbox or in doubt.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -42,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -69,6 +75,8 @@ from devenv.proxy import LOOPBACK, Proxy
 from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
 from relay.migrate import migrate
 
+AUDIT = "chaos.audit"  # a copy of every event, read after the run: the broker's order
+
 # Faults and their weights: node kills the most, the slow ones (promotion, no majority) less.
 FAULTS = {"relay": 3, "connected_node": 2, "ledger_leader": 2, "sink_leader": 2,
           "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1, "cut": 2,
@@ -83,21 +91,30 @@ class Figures:
     committed_without_majority: int = 0
 
 
+@dataclass(frozen=True)
+class Received:
+    """One delivery to the consumer, with what explains its place in the order."""
+
+    delivery: checker.Delivery
+    redelivered: bool  # the broker's flag
+    connection: int  # which of the consumer's connections (1, 2, ...) got it
+    delivery_count: int | None  # the quorum queue's x-delivery-count (absent on a first one)
+    at: float  # time.monotonic() when it came
+
+
 class Consumer(threading.Thread):
     """Reads the sink queue all along, acking each delivery; reconnects to any live node."""
 
     def __init__(self, cluster: RabbitCluster, stop: threading.Event) -> None:
         super().__init__(daemon=True)
         self.cluster, self.stop_event = cluster, stop
-        self.deliveries: list[checker.Delivery] = []
-        self.times: list[float] = []
+        self.received: list[Received] = []
         self.idle_since = time.monotonic()
-        self.redelivered: list[bool] = []  # the broker's redelivered flag, per delivery
-        # Per delivery, to explain an order violation: which connection (1, 2, ...) got it and
-        # the quorum queue's x-delivery-count header (absent on a first delivery).
-        self.connections: list[int] = []
-        self.delivery_counts: list[int | None] = []
         self.connection = 0
+
+    @property
+    def deliveries(self) -> list[checker.Delivery]:
+        return [r.delivery for r in self.received]
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -125,12 +142,10 @@ class Consumer(threading.Thread):
                 time.sleep(0.3)
 
     def _record(self, method: Any, props: Any, body: bytes) -> None:
-        self.deliveries.append(checker.delivery(props, body))
-        self.redelivered.append(bool(method.redelivered))
-        self.connections.append(self.connection)
         count = (props.headers or {}).get("x-delivery-count")
-        self.delivery_counts.append(count if isinstance(count, int) else None)
-        self.times.append(time.monotonic())
+        self.received.append(Received(checker.delivery(props, body), bool(method.redelivered),
+                                      self.connection, count if isinstance(count, int) else None,
+                                      time.monotonic()))
         self.idle_since = time.monotonic()
 
 
@@ -167,50 +182,64 @@ class Flow(threading.Thread):
             last = max(last, relayed)
 
 
-def redelivered_copies(deliveries: list[checker.Delivery], redelivered: list[bool]) -> int:
+def redelivered_copies(received: list[Received]) -> int:
     """Copies of a message the consumer had received already that the broker marked
     redelivered: the consumer's own duplicates (the ack of the first copy was lost with its node
     or connection), not the relays' (a copy the relays published again is new to the broker)."""
     seen: set[str] = set()
     copies = 0
-    for d, again in zip(deliveries, redelivered, strict=True):
-        copies += again and d.message_id in seen
-        seen.add(d.message_id)
+    for r in received:
+        copies += r.redelivered and r.delivery.message_id in seen
+        seen.add(r.delivery.message_id)
     return copies
 
 
-def late_redeliveries(late: list[tuple[int, str]], redelivered: list[bool]) -> int:
-    """Of the order violations the checker counts (``late``: checker.late_first_copies), those
+def late_redeliveries(late: list[tuple[int, str]], received: list[Received]) -> int:
+    """Of the order violations at the consumer (``late``: checker.late_first_copies), those
     whose late event came as a broker redelivery: a message handed to a consumer that died with
     it, returned after newer ones went to the next consumer (the consumer's side)."""
-    return sum(redelivered[i] for i, _key in late)
+    return sum(received[i].redelivered for i, _key in late)
 
 
-def order_violation_details(consumer: Consumer, late: list[tuple[int, str]], started: float,
+def _first_newer(deliveries: list[checker.Delivery], late: int, key: str) -> int | None:
+    """The first delivery of a newer event of ``key`` before the late first copy at ``late``."""
+    seq = deliveries[late].seq or 0
+    return next((j for j in range(late) if deliveries[j].key == key
+                 and (deliveries[j].seq or 0) > seq), None)
+
+
+def reversed_run(received: list[Received], newer: int, late: int) -> bool:
+    """True when the deliveries from ``newer`` to ``late`` came on one connection, none marked
+    redelivered, their positions strictly falling: how a RabbitMQ 3.10 quorum queue serves the
+    deliveries a channel missed (rabbit_fifo_client:get_missing_deliveries; the leader's
+    get_checked_out returns them newest first, fixed in RabbitMQ 4.2.6, rabbitmq-server#16008)."""
+    run = received[newer:late + 1]
+    positions = [r.delivery.seq or 0 for r in run]
+    return (len({r.connection for r in run}) == 1 and not any(r.redelivered for r in run)
+            and all(a > b for a, b in itertools.pairwise(positions)))
+
+
+def order_violation_details(received: list[Received], late: list[tuple[int, str]],
+                            started: float,
                             injected: list[tuple[str, float]]) -> list[dict[str, object]]:
-    """Each late first copy (``late``: checker.late_first_copies) beside the newer event of its
-    key that came before it: the connection each came on, the broker's redelivered flag and
-    x-delivery-count, seconds into the run, and the last fault before it."""
-    ds = consumer.deliveries
-    first: dict[str, int] = {}
-    for i, d in enumerate(ds):
-        first.setdefault(d.message_id, i)
-
+    """Each late first copy at the consumer (``late``: checker.late_first_copies) beside the
+    newer event of its key that came before it: the connection each came on, the broker's
+    redelivered flag and x-delivery-count, seconds into the run, the last fault before it, and
+    whether the two ends and everything between came as one reversed run."""
     def described(i: int) -> dict[str, object]:
-        at = consumer.times[i]
-        faults = [(kind, round(at - when, 2)) for kind, when in injected if when <= at]
-        return {"message_id": ds[i].message_id, "seq": ds[i].seq,
-                "connection": consumer.connections[i], "redelivered": consumer.redelivered[i],
-                "delivery_count": consumer.delivery_counts[i], "at": round(at - started, 2),
+        r = received[i]
+        faults = [(kind, round(r.at - when, 2)) for kind, when in injected if when <= r.at]
+        return {"message_id": r.delivery.message_id, "seq": r.delivery.seq,
+                "connection": r.connection, "redelivered": r.redelivered,
+                "delivery_count": r.delivery_count, "at": round(r.at - started, 2),
                 "after_fault": faults[-1] if faults else None}
 
     details: list[dict[str, object]] = []
     for i, key in late:
-        late_seq = ds[i].seq or 0
-        newer = min((j for j in first.values()
-                     if j < i and ds[j].key == key and (ds[j].seq or 0) > late_seq), default=None)
+        newer = _first_newer([r.delivery for r in received], i, key)
         details.append({"key": key, "late": described(i),
-                        "first_newer": described(newer) if newer is not None else None})
+                        "first_newer": described(newer) if newer is not None else None,
+                        "reversed_run": newer is not None and reversed_run(received, newer, i)})
     return details
 
 
@@ -394,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         channel.queue_declare(QUEUE, durable=True, arguments={
             "x-queue-type": "quorum", "x-single-active-consumer": args.single_active_consumer})
         channel.queue_bind(QUEUE, EXCHANGE, routing_key="#")
+        # Nobody consumes the audit queue during the run, so no fault can touch its deliveries:
+        # read on a calm cluster at the end, it has the events in the order they reached the
+        # broker (a relay's confirm waits for both queues).
+        channel.queue_declare(AUDIT, durable=True, arguments={"x-queue-type": "quorum"})
+        channel.queue_bind(AUDIT, EXCHANGE, routing_key="#")
         channel.queue_declare(LEDGER, durable=True, arguments={
             "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
         conn.close()
@@ -508,12 +542,18 @@ def main(argv: list[str] | None = None) -> int:
         consumer.join(10)
         with psycopg.connect(pair.url, autocommit=True) as db:
             report = checker.check(tally.produced, consumer.deliveries, conn=db, table="outbox")
+        audit = checker.drain(cluster.url, AUDIT, expected=expected, total_timeout=300)
+        audit_missing = len(expected - {d.message_id for d in audit})
+        # Per-key order is judged where the relays' guarantee holds: at the broker.
+        report = dataclasses.replace(report, order_violations=dict(
+            Counter(key for _i, key in checker.late_first_copies(audit))))
         expected_dead = set(tally.hostile)
         missing_dead = report.dead_letter_missing(expected_dead)
         ends = [at for _kind, at in figures.injected[1:]] + [started + args.duration]
         recoveries = [recovery_seconds(flow.times, at, min(end, at + 60))
                       for (_kind, at), end in zip(figures.injected, ends, strict=True)]
-        late = checker.late_first_copies(consumer.deliveries)  # what check() counted
+        late = checker.late_first_copies(consumer.deliveries)
+        details = order_violation_details(consumer.received, late, started, figures.injected)
         by_kind: dict[str, list[float]] = {}
         for (kind, _at), seconds in zip(figures.injected, recoveries, strict=True):
             by_kind.setdefault(kind, []).append(seconds)
@@ -526,12 +566,15 @@ def main(argv: list[str] | None = None) -> int:
             "hostile_dead_lettered": len(expected_dead) - len(missing_dead),
             "lost": len(report.lost) + len(missing_dead), "unexpected": len(report.unexpected),
             "duplicated": report.duplicates,
-            "duplicated_by_redelivery": redelivered_copies(consumer.deliveries,
-                                                           consumer.redelivered),
+            "duplicated_by_redelivery": redelivered_copies(consumer.received),
             "order_violations": sum(report.order_violations.values()),
-            "order_violations_by_redelivery": late_redeliveries(late, consumer.redelivered),
-            "order_violation_details": order_violation_details(consumer, late, started,
-                                                               figures.injected),
+            "audit_missing": audit_missing,
+            "order_violations_at_consumer": len(late),
+            "order_violations_at_consumer_by_redelivery": late_redeliveries(
+                late, consumer.received),
+            "order_violations_at_consumer_in_reversed_runs": sum(
+                bool(d["reversed_run"]) for d in details),
+            "order_violation_details": details,
             "left_in_outbox": report.left_in_outbox, "in_doubt_left": report.in_doubt,
             "committed_without_majority": figures.committed_without_majority,
             "longest_in_doubt_seconds": round(tally.max_in_doubt_seconds, 2),
@@ -544,14 +587,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         print()
         for name, value in result.items():
-            print(f"  {name:<32}{value}")
+            print(f"  {name:<47}{value}")
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         ok = (report.ok(max_duplicates=args.batch_size * max(1, len(recoveries)) * args.relays,
                         dead_letter_expected=expected_dead)
+              and audit_missing == 0
               and tally.unexpected_exits == 0 and figures.committed_without_majority == 0)
         print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
-              else f"\nFAILED: {report.summary()} unexpected_exits={tally.unexpected_exits}"
+              else f"\nFAILED: {report.summary()} audit_missing={audit_missing}"
+                   f" unexpected_exits={tally.unexpected_exits}"
                    f" committed_without_majority={figures.committed_without_majority}")
         if not ok:
             kept = Path(tempfile.gettempdir()) / f"outbox-chaos-cluster-logs-{int(time.time())}"

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -38,12 +39,35 @@ class ServerError(RuntimeError):
     """A throwaway server could not be started, stopped or killed; the message ends with its log."""
 
 
+_PORTS = random.Random()  # its own generator: a caller's random.seed() must not repeat ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (client connections' local ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    """Return a TCP port on 127.0.0.1 that is free right now, below the ephemeral range when
+    there is room: a server restarted on its port must find it free, and a port the OS picks
+    can meanwhile be the local port of some client's connection (a chaos run lost a node's
+    restart to that: "port already in use")."""
+    low = _ephemeral_low()
+    for _ in range(100 if low > 11_024 else 0):
+        port = _PORTS.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        picked: int = sock.getsockname()[1]
+        return picked
 
 
 def _port_is_free(port: int) -> bool:

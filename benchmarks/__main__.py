@@ -105,6 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the per-key order scenario (keys.py) instead of the benchmark: relay x1 and "
         "x4 (the benchmark's loop and the real programs) on events with each number of "
         "distinct ordering keys, against events without one (e.g. 10000,50)")
+    add("--drained-sink", action="store_true",
+        help="with --keys: the sink of the ceiling and of the real programs is purged as it "
+        "fills (a queue its consumers keep near empty); the programs' messages are counted, "
+        "not checked one by one")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
     add("--sink-type", choices=("classic", "quorum"), default="classic",
@@ -272,7 +276,8 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             events=min(50_000, args.burst_events * 5), window=window)
     if args.keys:
         results["keys"] = keys.run(servers, logdir, key_counts=args.keys, events=args.events,
-                                   batch_size=args.batch_size, rounds=args.rounds, window=window)
+                                   batch_size=args.batch_size, rounds=args.rounds, window=window,
+                                   drained=args.drained_sink)
     results["targets"] = report.check_scenarios(results)
     if args.keys:
         results["targets"] += keys.targets(results["keys"])

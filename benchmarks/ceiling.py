@@ -20,7 +20,14 @@ import pika.spec
 
 from benchmarks import processes
 from benchmarks.cpu import CpuMeter
-from benchmarks.workload import CEILING_BODY, EXCHANGE, ROUTING_PREFIX, Servers, purge_sink
+from benchmarks.workload import (
+    CEILING_BODY,
+    EXCHANGE,
+    ROUTING_PREFIX,
+    Servers,
+    SinkDrainer,
+    purge_sink,
+)
 from relay import amqp, pika_private
 
 
@@ -92,13 +99,18 @@ def publish_rate(servers: Servers, count: int, window: int, *, coalesce: bool = 
     purge_sink(servers)
     meter = CpuMeter({"rabbitmq": servers.rabbitmq_pids})
     publisher = _Publisher(servers.amqp_url)
+    drainer = SinkDrainer(servers) if servers.drained_sink else None
     try:
+        if drainer is not None:
+            drainer.start()
         meter.start()
         cpu_start, started = time.process_time(), time.perf_counter()
         publisher.run(count, window, queues=servers.sink_queues, coalesce=coalesce)
         seconds = time.perf_counter() - started
         cpu = {"publisher": round(time.process_time() - cpu_start, 3), **meter.stop()}
     finally:
+        if drainer is not None:
+            drainer.stop()
         publisher.close()
     return CeilingRun(count, window, seconds, cpu)
 

@@ -38,7 +38,9 @@ def _median(values: list[float]) -> float:
 
 
 def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, batch_size: int,
-        rounds: int, window: int) -> dict[str, Any]:
+        rounds: int, window: int, drained: bool = False) -> dict[str, Any]:
+    """``drained``: the sink is purged as it fills (workload.SinkDepth) for the ceiling and the
+    programs, the shape a sink with consumers that keep up has; the loop's is not."""
     labels = ["none", HEADERS, *map(str, key_counts)]
     loop: dict[str, dict[int, list[float]]] = {label: {n: [] for n in RELAYS} for label in labels}
     programs: dict[str, dict[int, list[float]]] = {
@@ -48,7 +50,8 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
         say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 (loop, then programs) without "
             f"keys, without keys but with their headers, and with "
             f"{', '.join(f'{k:,}' for k in key_counts)} keys")
-        ceilings.append(ceiling.publish_rate(servers, events, window).rate)
+        ceilings.append(ceiling.publish_rate(
+            dataclasses.replace(servers, drained_sink=drained), events, window).rate)
         for label in labels:
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
@@ -56,10 +59,12 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
                 loop[label][n].append(throughput.relay_run(
                     keyed, events, n, batch_size=batch_size, tag=f"k{label}r{r}x{n}").rate)
                 programs[label][n].append(cli_relays.rate(
-                    keyed, logdir, n, events, f"k{label}r{r}"))
+                    dataclasses.replace(keyed, drained_sink=drained), logdir, n, events,
+                    f"k{label}r{r}"))
     top = _median(ceilings)
     return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
-            "events": events, "batch_size": batch_size, "series": _series(loop, top),
+            "events": events, "batch_size": batch_size, "drained_sink": drained,
+            "series": _series(loop, top),
             "programs": _series(programs, top)}
 
 

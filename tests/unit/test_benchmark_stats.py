@@ -1,12 +1,15 @@
-"""The benchmark's arithmetic: percentiles, latencies and the memory slope."""
+"""The benchmark's arithmetic: percentiles, latencies, the memory slope, a drained sink's count."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.latency import latencies_ms, percentile
 from benchmarks.profile import phases
 from benchmarks.soak import slope_mb_per_hour
+from benchmarks.workload import SinkDepth
 
 
 def test_nearest_rank_percentile() -> None:
@@ -54,3 +57,23 @@ def test_profile_phases_are_shares_of_the_relay_loop() -> None:
     # No sample of the loop (a run shorter than py-spy's attach): zero shares, not a failure.
     empty = phases("<module> (a.py:1) 5")
     assert empty["samples"] == 0 and set(empty.values()) == {0}
+
+
+class _Channel:
+    """A sink's channel: queue_purge empties a queue and says how many it held."""
+
+    def __init__(self, held: list[int]) -> None:
+        self.held = held
+
+    def queue_purge(self, name: str) -> SimpleNamespace:
+        count, self.held[0] = self.held[0], 0
+        return SimpleNamespace(method=SimpleNamespace(message_count=count))
+
+
+def test_a_drained_sink_counts_what_it_purged() -> None:
+    depth = SinkDepth.__new__(SinkDepth)  # no connection: a fake channel
+    held = [300]
+    depth._channel, depth._names, depth.drains, depth.purged = _Channel(held), ["q"], True, 0
+    assert depth() == 300 and held == [0]
+    held[0] = 200
+    assert depth() == 500 and depth() == 500

@@ -234,9 +234,10 @@ def order_violation_details(received: list[Received], late: list[tuple[int, str]
                 "delivery_count": r.delivery_count, "at": round(r.at - started, 2),
                 "after_fault": faults[-1] if faults else None}
 
+    deliveries = [r.delivery for r in received]
     details: list[dict[str, object]] = []
     for i, key in late:
-        newer = _first_newer([r.delivery for r in received], i, key)
+        newer = _first_newer(deliveries, i, key)
         details.append({"key": key, "late": described(i),
                         "first_newer": described(newer) if newer is not None else None,
                         "reversed_run": newer is not None and reversed_run(received, newer, i)})

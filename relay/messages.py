@@ -21,6 +21,7 @@ import pika
 import pika.frame
 
 from relay.model import Message, OutboxRow, Unpublishable
+from relay.properties import EncodedProperties, encoded
 from relay.publisher import DEFAULT_FRAME_MAX
 
 SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type
@@ -40,11 +41,9 @@ REASON_MAX = 500  # characters of a library's text kept in a reason
 ORDERING_KEY_HEADER = "x-ordering-key"
 POSITION_HEADER = "x-outbox-id"
 RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
-# A header frame without a producer's headers: frame header and end, class, weight and body size,
-# flags, message_id and content_type (255 bytes each at most), delivery mode, timestamp, and the
-# relay's two headers without the key's text. Well under this bound.
-OWN_HEADER_FRAME_MAX = 1024
-UTF8_MAX = 4  # bytes per character
+# A header frame around its properties: frame type, channel and size, class, weight and body
+# size, frame end.
+HEADER_FRAME_OVERHEAD = 20
 
 
 @dataclass(frozen=True)
@@ -133,24 +132,8 @@ def _epoch(created_at: float | datetime) -> float:
 
 def _properties(message_id: str, content_type: str, headers: Mapping[str, Any],
                 created_at: float) -> Any:
-    return pika.BasicProperties(
-        delivery_mode=2,
-        message_id=message_id,
-        content_type=content_type,
-        headers=amqp_value(headers) or None,
-        timestamp=int(created_at),
-    )
-
-
-def _only_own_headers_that_fit(headers: Mapping[str, Any], frame_max: int) -> bool:
-    """True for the relay's own headers alone, with a key short enough that the frame fits:
-    encoding the frame to measure it would cost as much again as publishing it."""
-    if len(headers) > len(RELAY_HEADERS) or any(name not in RELAY_HEADERS for name in headers):
-        return False
-    key = headers.get(ORDERING_KEY_HEADER, "")
-    position = headers.get(POSITION_HEADER, 0)
-    return (isinstance(key, str) and type(position) is int and -(1 << 63) <= position < 1 << 63
-            and OWN_HEADER_FRAME_MAX + UTF8_MAX * len(key) <= frame_max)
+    return encoded(message_id=message_id, content_type=content_type,
+                   headers=amqp_value(headers) or None, timestamp=int(created_at))
 
 
 def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, headers: Any,
@@ -176,10 +159,13 @@ def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, 
         return error, None
     try:
         properties = _properties(message_id, content_type, headers, created_at)
-        if headers and not _only_own_headers_that_fit(headers, frame_max):
+        if headers:
             # The header frame (properties, headers included) cannot be split: over frame_max,
             # the broker closes the whole connection (FRAME_ERROR) and fails every batch in it.
-            size = len(pika.frame.Header(1, body_size, properties).marshal())
+            # Properties encoded beforehand give their size; pika's are encoded to measure it.
+            size = (HEADER_FRAME_OVERHEAD + len(properties.wire)
+                    if isinstance(properties, EncodedProperties)
+                    else len(pika.frame.Header(1, body_size, properties).marshal()))
             if size > frame_max:
                 return Problem("headers", f"headers make a header frame of {size} bytes, over "
                                           f"the broker's frame_max of {frame_max} bytes"), None

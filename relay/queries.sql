@@ -35,7 +35,8 @@
 --   whole id array.
 -- - The CTE of the deleted rows is read twice (for the oversized rows and by the final
 --   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
---   each a scan of the batch; there is no join.
+--   each a scan of the batch. The one join is the LATERAL read of each keyed row's key head
+--   (below): a nested loop whose inner side is one probe of outbox_key_idx per row.
 -- - Rows another transaction holds (a batch in flight, prepared or in doubt, or a claim
 --   made ahead) are stepped over before any per-key probe below: their xmax names a running
 --   transaction (one the snapshot lists, or one newer than the snapshot and older than the
@@ -56,23 +57,28 @@
 -- Per-key order (docs/protocol.md): a row with an ordering_key is claimed only when every
 -- older row of its key is gone (published and committed) or claimed in this same batch. A row
 -- deleted by a batch that is not committed yet (prepared, or in doubt after a crash) is still
--- visible here, so the next rows of its key wait until that batch is finished. Two checks:
--- - while locking (each keyed row stepped over, one probe of outbox_key_idx and one of the
---   dead-letter key index): the key's oldest row is fresh and due (this row, or an older one),
---   and the key has no dead letter. A key held back by a retry or a dead letter is stepped
---   over, never locked, so it cannot fill the batch and starve the other keys, however long
---   it stays held. A key held back by a batch in flight (or in doubt) passes this check: its
---   rows are locked and then dropped below, taking room in this batch; that lasts as long as
---   the batch (milliseconds; in doubt, until the resolver finishes it). Testing the oldest
---   row's lock here instead (SKIP LOCKED on it) was tried: a claim then stepped over every
---   row of such keys, the whole backlog with few keys, seconds per claim (measured).
--- - once locked (once per key in the batch, on the key's first locked row, its result spread
---   over the key's rows by a window): the key's oldest row is ours, and the key's rows from
---   our first to our last are all ours (else only our first row of it is taken). Rows of a
---   key held back here stay locked, unclaimed, until this batch ends.
+-- visible here, so the next rows of its key wait until that batch is finished. The key's
+-- oldest row (its head) is read once per keyed row, by a LATERAL join (one probe of
+-- outbox_key_idx; the planner may memoize it per key, so with few keys a batch reads each
+-- head once), and both checks use it: the statement reads every row in one snapshot, so the
+-- head read before locking is the head after. Two checks:
+-- - while locking: the head is fresh and due (this row, or an older one), and the key has no
+--   dead letter (one probe of the dead-letter key index per row, made only when some dead
+--   letter has a key at all: one read per claim). A key held back by a retry or a dead
+--   letter is stepped over, never locked, so it cannot fill the batch and starve the other
+--   keys, however long it stays held. A key held back by a batch in flight (or in doubt)
+--   passes this check: its rows are locked and then dropped below, taking room in this
+--   batch; that lasts as long as the batch (milliseconds; in doubt, until the resolver
+--   finishes it). Testing the head's lock here instead (SKIP LOCKED on it) was tried: a
+--   claim then stepped over every row of such keys, the whole backlog with few keys, seconds
+--   per claim (measured).
+-- - once locked: the head is our first row of the key, and the key's rows from our first to
+--   our last are all ours (else only our first row of it is taken; one count per key with
+--   several rows in the batch, on its first row, spread over the key's rows by a window).
+--   Rows of a key held back here stay locked, unclaimed, until this batch ends.
 -- Each probe walks outbox_key_idx from the key's oldest row: linear in the key's rows in the
 -- batch, never a read of the table. Rows without a key skip both checks (the OR stops at
--- ordering_key IS NULL).
+-- ordering_key IS NULL; the head's read is gated on a key, so it reads nothing for them).
 WITH live AS MATERIALIZED (
     -- The transactions running at this statement's snapshot: those it lists, and those that
     -- started after it and before this transaction first read age() (lag: how many). An xid8
@@ -96,53 +102,54 @@ WITH live AS MATERIALIZED (
                      LIMIT 1
                      FOR UPDATE SKIP LOCKED), '{{}}'),
         ARRAY(SELECT id
-              FROM (SELECT id, ordering_key, n, taken, first_of_key,
-                           bool_or(head_ours) OVER k AS head_ours,
+              FROM (SELECT id, ordering_key, n, taken, first_of_key, head_id,
                            bool_or(gapless) OVER k AS gapless
                     FROM (SELECT *,
-                                 CASE WHEN ordering_key IS NOT NULL AND id = first_of_key THEN
-                                     (SELECT h.id FROM {outbox} AS h
+                                 CASE WHEN ordering_key IS NOT NULL AND id = first_of_key
+                                           AND key_rows > 1 THEN
+                                     (SELECT count(*) FROM {outbox} AS h
                                       WHERE h.ordering_key = keyed.ordering_key
-                                      ORDER BY h.ordering_key, h.id LIMIT 1) = id
-                                 END AS head_ours,
-                                 CASE WHEN ordering_key IS NOT NULL AND id = first_of_key THEN
-                                     key_rows = 1 OR (SELECT count(*) FROM {outbox} AS h
-                                                      WHERE h.ordering_key = keyed.ordering_key
-                                                        AND h.id BETWEEN keyed.first_of_key
-                                                                     AND keyed.last_of_key)
-                                                     = key_rows
+                                        AND h.id BETWEEN keyed.first_of_key AND keyed.last_of_key)
+                                     = key_rows
                                  END AS gapless
-                          FROM (SELECT id, ordering_key,
+                          FROM (SELECT id, ordering_key, head_id,
                                        row_number() OVER w AS n,
                                        sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0
                                                 ELSE row_bytes END) OVER w AS taken,
                                        min(id) OVER k AS first_of_key,
                                        max(id) OVER k AS last_of_key,
                                        count(*) OVER k AS key_rows
-                                FROM (SELECT id, row_bytes, ordering_key FROM {outbox} AS o
-                                      WHERE attempts <= 0 AND available_at <= now()
+                                FROM (SELECT o.id, o.row_bytes, o.ordering_key, head.id AS head_id
+                                      FROM {outbox} AS o
+                                      LEFT JOIN LATERAL (
+                                          SELECT h.id, h.attempts, h.available_at
+                                          FROM {outbox} AS h
+                                          WHERE o.ordering_key IS NOT NULL
+                                            AND h.ordering_key = o.ordering_key
+                                          ORDER BY h.ordering_key, h.id LIMIT 1) AS head ON true
+                                      WHERE o.attempts <= 0 AND o.available_at <= now()
                                         AND (o.xmax = '0'::xid
                                              OR NOT (o.xmax = ANY((SELECT xids FROM live)::xid[])
                                                      OR age(o.xmax) BETWEEN 1
                                                                     AND (SELECT lag FROM live)))
-                                        AND (ordering_key IS NULL
-                                             OR ((SELECT h.attempts <= 0
-                                                         AND h.available_at <= now()
-                                                  FROM {outbox} AS h
-                                                  WHERE h.ordering_key = o.ordering_key
-                                                  ORDER BY h.ordering_key, h.id LIMIT 1)
-                                                 AND NOT EXISTS (
-                                                     SELECT FROM {dead_letter} AS d
-                                                     WHERE d.ordering_key = o.ordering_key)))
-                                      ORDER BY id
+                                        AND (o.ordering_key IS NULL
+                                             OR (head.attempts <= 0
+                                                 AND head.available_at <= now()
+                                                 AND ((SELECT NOT EXISTS (
+                                                          SELECT FROM {dead_letter}
+                                                          WHERE ordering_key IS NOT NULL))
+                                                      OR NOT EXISTS (
+                                                          SELECT FROM {dead_letter} AS d
+                                                          WHERE d.ordering_key = o.ordering_key))))
+                                      ORDER BY o.id
                                       LIMIT %(limit)s
-                                      FOR UPDATE SKIP LOCKED) AS locked
+                                      FOR UPDATE OF o SKIP LOCKED) AS locked
                                 WINDOW w AS (ORDER BY id), k AS (PARTITION BY ordering_key))
                                AS keyed) AS checked
                     WINDOW k AS (PARTITION BY ordering_key)) AS decided
               WHERE (n = 1 OR taken <= %(max_bytes)s)
                 AND (ordering_key IS NULL
-                     OR (head_ours AND (id = first_of_key OR gapless))))))
+                     OR (head_id = first_of_key AND (id = first_of_key OR gapless))))))
     RETURNING *
 ), oversized AS (
     SELECT *, CASE WHEN coalesce(octet_length(payload_bytes), octet_length(payload::text))

@@ -15,15 +15,21 @@ of this one is confirmed. A batch whose keys keep one route each is one wave: fu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from relay.model import Message, OutboxRow
 
 
 def waves(messages: Sequence[Message]) -> list[list[Message]]:
     """The messages in waves, each in id order; empty for no messages."""
+    ordered = sorted(messages, key=attrgetter("row_id"))
+    routes = {(m.ordering_key, m.exchange, m.routing_key)
+              for m in ordered if m.ordering_key is not None}
+    if len(routes) == len({key for key, _exchange, _routing in routes}):
+        return [ordered] if ordered else []  # every key keeps one route: one wave
     out: list[list[Message]] = []
     last: dict[str, tuple[int, tuple[str, str]]] = {}  # key -> (its wave, its route)
-    for m in sorted(messages, key=lambda m: m.row_id):
+    for m in ordered:
         i = 0
         if m.ordering_key is not None:
             route = (m.exchange, m.routing_key)

@@ -10,10 +10,11 @@ a server-side prepared statement would keep); autovacuum is off for the table, s
 replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE runs the cached plan:
 
 - no plan node runs more than once per execution: a per-row rescan of a CTE or subquery shows
-  as a node run once per outbox row, and these statements have no join at all (their row
-  locks are taken in an ARRAY(SELECT ...) InitPlan, run once). The one exception is the
-  claim's per-key checks on rows with an ordering_key (relay/queries.sql): index probes of
-  the key indexes, at most one per batch row each, and each reads a few index entries;
+  as a node run once per outbox row (their row locks are taken in an ARRAY(SELECT ...)
+  InitPlan, run once). The one exception is the claim's per-key checks on rows with an
+  ordering_key (relay/queries.sql): index probes of the key indexes (SubPlans, and the inner
+  side of the claim's one join, a LATERAL read of each row's key head), at most one per
+  batch row each, and each reads a few index entries;
 - the rows all plan nodes handle (returned plus filtered out, times loops) stay within a small
   multiple of the batch: the statement never reads the table, let alone once per row;
 - it runs in milliseconds (the bound is generous, the row count above is the exact check).
@@ -177,9 +178,10 @@ def _ids(conn: psycopg.Connection[Any], tables: Tables, *, attempts: int) -> lis
 
 
 def _key_probe(top: dict[str, Any], target: dict[str, Any]) -> bool:
-    """True if ``target`` is in a SubPlan that reads only the key indexes (a per-key check)."""
+    """True if ``target`` is in a SubPlan, or the inner side of a join (the claim's LATERAL
+    probe of a row's key), that reads only the key indexes: a per-key check."""
     def walk(node: dict[str, Any], probe: bool) -> bool:
-        if node.get("Parent Relationship") == "SubPlan":
+        if node.get("Parent Relationship") in ("SubPlan", "Inner"):
             probe = all(n.get("Index Name", "").endswith("key_idx")
                         for n in nodes(node) if "Relation Name" in n)
         if node is target:

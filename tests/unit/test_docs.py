@@ -45,10 +45,12 @@ def test_relative_links_resolve(page: Path) -> None:
 
 def test_readme_is_a_first_page() -> None:
     lines = (ROOT / "README.md").read_text("utf-8").splitlines()
-    assert len(lines) <= 200
+    # What it is, the two commands, producing, consuming, how it works, the headline figures
+    # and where to read on: a page a user reads through, everything else in docs/.
+    assert len(lines) <= 220
     headings = [line[3:] for line in lines if line.startswith("## ")]
     for needed in ("Requirements", "Quick start", "Producing events", "Consuming events",
-                   "How it works"):
+                   "How it works", "Performance"):
         assert needed in headings, needed
     for page in ("configuration", "operations", "protocol", "reliability", "performance"):
         assert f"(docs/{page}.md" in "\n".join(lines), page

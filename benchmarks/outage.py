@@ -7,9 +7,10 @@ producer goes on. Sampled every 0.1 s: the sink's depth (no consumer: the depth 
 broker has confirmed); every 0.5 s the outbox backlog (a count of the whole table: at 0.1 s it
 took a share of the 2 cores it measures; between counts a sample carries the last one, so the
 drain's end is seen up to 0.5 s late, never early). Reported: the seconds from the broker's
-start to the first publish (the relays' reconnection backoff, up to OUTBOX_RECONNECT_MAX_DELAY), to the
-backlog drained (back under one second of load), the drain rate from the first publish to
-drained and second by second, each against the ceiling measured before and after in the run.
+start to the first publish (the relays' reconnection backoff, up to
+OUTBOX_RECONNECT_MAX_DELAY), to the backlog drained (back under one second of load), the drain
+rate from the first publish to drained and second by second, each against the ceiling measured
+before and after in the run.
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ class AmqpPublisher:
         """Publish every message persistent + mandatory and wait for all their confirms.
 
         ``while_waiting`` runs once every message is on its way and before the wait: the
-        relay claims its next batch there, while the broker works on this one.
+        relay claims its next batch and builds its messages there, while the broker works on
+        this one.
         """
         self._result = PublishResult()
         self._pending.clear()

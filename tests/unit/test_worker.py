@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay import ledger
+from relay import ledger, worker
 from relay.config import RelaySettings
 from relay.errors import BatchFailed, ConnectionLost, DatabaseError, LedgerMissing, TransientError
 from relay.gid import Gid, lock_class
@@ -1107,6 +1107,38 @@ def test_a_bad_row_in_the_batch_claimed_ahead_is_handled_in_its_own_batch(
     assert rig.publisher.published_ids() == [*first, last]
     assert list(rig.store.dead_letter) == [bad]
     assert rig.batches("committed") == 2
+
+
+def test_the_batch_claimed_ahead_is_built_while_the_confirms_are_awaited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    ids = rig.store.add_many(4)
+    built: list[tuple[int, bool]] = []  # (row, built while the last batch was prepared)
+    real = worker.to_message
+    monkeypatch.setattr(worker, "to_message", lambda row, **kw: (
+        built.append((row.id, bool(rig.store.prepared))), real(row, **kw))[1])
+
+    rig.relay.run_batch()
+    rig.relay.run_batch()
+
+    assert built == [(ids[0], False), (ids[1], False), (ids[2], True), (ids[3], True)]
+    assert rig.publisher.published_ids() == ids and rig.batches("committed") == 2
+
+
+def test_a_batch_built_ahead_is_built_again_for_another_frame_max(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    first = rig.store.add_many(2)
+    big = rig.store.add(headers={"big": "x" * 5000})
+    last = rig.store.add()
+    rig.relay.run_batch()  # claims [big, last] ahead and builds them for frame_max 131072
+    assert [r.id for r in rig.relay.claimed_ahead] == [big, last]
+
+    rig.publisher.negotiated_frame_max = 4096  # a reconnect to a broker with a smaller one
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == [*first, last]
+    assert "frame_max of 4096" in rig.store.dead_letter[big].error
 
 
 def test_rows_addressed_to_the_ledger_are_dead_lettered(rig: Rig) -> None:

@@ -1125,6 +1125,26 @@ def test_the_batch_claimed_ahead_is_built_while_the_confirms_are_awaited(
     assert rig.publisher.published_ids() == ids and rig.batches("committed") == 2
 
 
+def test_an_error_building_ahead_fails_the_next_batch_not_the_one_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=2)
+    ids = rig.store.add_many(4)
+    real = worker.to_message
+
+    def broken_for_later_rows(row: Any, **kw: Any) -> Any:
+        if row.id > ids[1]:
+            raise RuntimeError("a bug in building")
+        return real(row, **kw)
+
+    monkeypatch.setattr(worker, "to_message", broken_for_later_rows)
+    rig.relay.run_batch()
+    assert rig.batches("committed") == 1 and rig.publisher.published_ids() == ids[:2]
+
+    with pytest.raises(RuntimeError, match="a bug in building"):
+        rig.relay.run_batch()  # built again before its PREPARE: nothing prepared, nothing sent
+    assert rig.store.prepared == {} and rig.publisher.published_ids() == ids[:2]
+
+
 def test_a_batch_built_ahead_is_built_again_for_another_frame_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)

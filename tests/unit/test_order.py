@@ -19,16 +19,16 @@ def row(row_id: int, key: str | None) -> OutboxRow:
                      "", 0)
 
 
-def test_a_key_changing_route_starts_a_new_wave_for_its_later_messages() -> None:
+def test_a_keys_nth_message_goes_in_wave_n() -> None:
     batch = [message(1, "a"), message(2, None), message(3, "a", "other"), message(4, "b"),
              message(5, "a", "other"), message(6, None), message(7, "a"), message(8, "b")]
     assert [[m.row_id for m in wave] for wave in waves(batch)] == [
-        [1, 2, 4, 6, 8], [3, 5], [7]]
+        [1, 2, 4, 6], [3, 8], [5], [7]]
 
 
-def test_a_batch_whose_keys_keep_their_route_is_one_wave() -> None:
-    batch = [message(n, f"k{n % 7}", f"r{n % 7}") for n in range(100)]
-    assert len(waves(batch)) == 1
+def test_a_batch_in_which_no_key_repeats_is_one_wave() -> None:
+    batch = [message(n, None if n % 3 == 0 else f"k{n}", f"r{n % 7}") for n in range(100)]
+    assert [[m.row_id for m in wave] for wave in waves(batch[::-1])] == [list(range(100))]
     assert waves([]) == []
 
 
@@ -53,6 +53,24 @@ def test_the_next_wave_goes_out_only_after_the_last_is_confirmed(rig: Rig) -> No
     assert [[m.row_id for m in b] for b in rig.publisher.batches[:3]] == [
         [ids[0], ids[2], ids[3]], [ids[1]], [ids[4]]]
     assert rig.store.rows == {} and rig.batches("committed") == 1
+
+
+def test_a_nacked_message_keeps_the_next_one_of_its_key_unsent(rig: Rig) -> None:
+    # A quorum queue regaining its majority nacked the first messages of a batch and confirmed
+    # the later ones (RabbitMQ 3.10, the cluster chaos run): a key's next message must not be
+    # on its way while its older one may still be nacked.
+    a1, b1, a2, b2 = (rig.store.add(ordering_key=key) for key in "abab")
+    rig.publisher.script(a1, Outcome.NACK, times=1)
+
+    rig.relay.run_batch()
+
+    assert [m.row_id for m in rig.publisher.published] == [a1, b1]  # a2, b2 never sent
+    # b1 was confirmed: forgotten, not published again.
+    assert rig.batches("rolled_back") == 1 and sorted(rig.store.rows) == [a1, a2, b2]
+    rig.relay.ensure_connected()
+    rig.relay.run_batch()
+    assert [m.row_id for m in rig.publisher.published][2:] == [a1, b2, a2]
+    assert rig.store.rows == {}
 
 
 def test_a_refused_row_holds_back_its_key_while_other_keys_flow(rig: Rig) -> None:

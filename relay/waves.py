@@ -5,9 +5,9 @@ or in the batch too. Inside the batch, messages of one key could go out back to 
 channel, in id order, if what fails there failed for a suffix: the message that fails and every
 later one. It does not. A message returned as unroutable fails alone while the next one of its
 key, with another routing key, is routed. And a quorum queue that loses its majority while a
-batch waits for its confirms can nack the first messages of the batch and confirm the later
-ones once a leader is back: RabbitMQ 3.10 did so in the suite's cluster chaos run (30 events
-nacked, the next event of each of their keys confirmed and consumed before them). So a key has
+batch waits for its confirms can nack some of its messages and confirm later ones once a
+leader is back: RabbitMQ 3.10 did so in the suite's cluster chaos run (30 events nacked, the
+next event of each of their keys confirmed and consumed before them). So a key has
 one message unconfirmed at a time: a key's n-th message of the batch goes in wave n, and the
 next wave is published only once every message of this one is confirmed. A batch in which no
 key repeats is one wave: full speed, whatever the number of keys (10,000 keys and batches of

@@ -56,8 +56,8 @@ def test_the_next_wave_goes_out_only_after_the_last_is_confirmed(rig: Rig) -> No
 
 
 def test_a_nacked_message_keeps_the_next_one_of_its_key_unsent(rig: Rig) -> None:
-    # A quorum queue regaining its majority nacked the first messages of a batch and confirmed
-    # the later ones (RabbitMQ 3.10, the cluster chaos run): a key's next message must not be
+    # A quorum queue regaining its majority nacked messages of a batch and confirmed later
+    # ones (RabbitMQ 3.10, the cluster chaos run): a key's next message must not be
     # on its way while its older one may still be nacked.
     a1, b1, a2, b2 = (rig.store.add(ordering_key=key) for key in "abab")
     rig.publisher.script(a1, Outcome.NACK, times=1)

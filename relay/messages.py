@@ -41,6 +41,8 @@ REASON_MAX = 500  # characters of a library's text kept in a reason
 ORDERING_KEY_HEADER = "x-ordering-key"
 POSITION_HEADER = "x-outbox-id"
 RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
+# The headers column as the claim returns it when a producer sets none (its default).
+EMPTY_HEADERS = "{}"
 # A header frame around its properties: frame type, channel and size, class, weight and body
 # size, frame end.
 HEADER_FRAME_OVERHEAD = 20
@@ -58,7 +60,8 @@ class Problem:
 
 
 def _shortstr(name: str, value: str) -> Problem | None:
-    if len(value.encode()) > SHORTSTR_MAX:
+    # An ASCII string is as long in bytes as in characters: most need no encoding to measure.
+    if not (value.isascii() and len(value) <= SHORTSTR_MAX) and len(value.encode()) > SHORTSTR_MAX:
         return Problem(name, f"{name} is longer than {SHORTSTR_MAX} bytes")
     return None
 
@@ -131,15 +134,18 @@ def _epoch(created_at: float | datetime) -> float:
 
 
 def _properties(message_id: str, content_type: str, headers: Mapping[str, Any],
-                created_at: float) -> Any:
+                created_at: float, *, flat: bool) -> Any:
     return encoded(message_id=message_id, content_type=content_type,
-                   headers=amqp_value(headers) or None, timestamp=int(created_at))
+                   headers=(headers if flat else amqp_value(headers)) or None,
+                   timestamp=int(created_at))
 
 
 def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, headers: Any,
            content_type: str, created_at: float, created_shown: Any, max_message_bytes: int,
-           frame_max: int, ledger_stream: str | None) -> tuple[Problem | None, Any]:
-    """(why the message can never be published, or None; its properties if nothing is wrong)."""
+           frame_max: int, ledger_stream: str | None,
+           flat: bool = False) -> tuple[Problem | None, Any]:
+    """(why the message can never be published, or None; its properties if nothing is wrong).
+    ``flat``: headers known to be a dict of str and int values (no depth to check, no float)."""
     error = (
         _shortstr("exchange", exchange)
         or _shortstr("routing_key", routing_key)
@@ -149,7 +155,7 @@ def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, 
     )
     if error is None and not isinstance(headers, dict):
         error = Problem("headers", f"headers must be a JSON object, got {type(headers).__name__}")
-    if error is None and _depth_over(headers, HEADERS_DEPTH_MAX):
+    if error is None and not flat and _depth_over(headers, HEADERS_DEPTH_MAX):
         error = Problem("headers", f"headers are nested deeper than {HEADERS_DEPTH_MAX} levels")
     error = error or timestamp_problem(created_at, created_shown)
     if error is None and body_size > max_message_bytes:
@@ -158,7 +164,7 @@ def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, 
     if error is not None:
         return error, None
     try:
-        properties = _properties(message_id, content_type, headers, created_at)
+        properties = _properties(message_id, content_type, headers, created_at, flat=flat)
         if headers:
             # The header frame (properties, headers included) cannot be split: over frame_max,
             # the broker closes the whole connection (FRAME_ERROR) and fails every batch in it.
@@ -230,16 +236,22 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
     Never raises for a row's content: a row is decoded and checked here, on its own.
     """
     try:
-        headers, undecodable = decode_headers(row.headers)
-        if undecodable is not None:
-            return Unpublishable(undecodable)
-        headers = message_headers(headers, row.ordering_key, row.id)
+        flat = row.headers == EMPTY_HEADERS
+        if flat:  # the column's default, most rows: nothing to decode, only the relay's headers
+            headers = ({} if row.ordering_key is None else
+                       {ORDERING_KEY_HEADER: row.ordering_key, POSITION_HEADER: row.id})
+        else:
+            headers, undecodable = decode_headers(row.headers)
+            if undecodable is not None:
+                return Unpublishable(undecodable)
+            headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
         found, properties = _check(
             message_id=row.message_id, exchange=row.exchange, routing_key=row.routing_key,
             body_size=len(row.body), headers=headers, content_type=content_type,
             created_at=row.created_epoch, created_shown=repr(row.created_at),
-            max_message_bytes=max_bytes, frame_max=frame_max, ledger_stream=ledger_stream)
+            max_message_bytes=max_bytes, frame_max=frame_max, ledger_stream=ledger_stream,
+            flat=flat)
     except (RecursionError, ValueError, OverflowError, TypeError, MemoryError) as exc:
         return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {_short(exc)}")
     if found is not None:

@@ -13,6 +13,7 @@ pika's own properties, encoded by pika when published, as before.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -47,11 +48,22 @@ def _short(text: str) -> bytes | None:
     return bytes((len(raw),)) + raw if len(raw) <= 255 else None
 
 
+@functools.lru_cache(maxsize=1024)
+def _short_cached(text: str) -> bytes | None:
+    return _short(text)
+
+
+def _name(text: str) -> bytes | None:
+    """_short of a string that repeats from message to message (a header name, a content type):
+    cached, up to a bounded number of short ones (a producer may send a new name every row)."""
+    return _short_cached(text) if len(text) <= 255 else None
+
+
 def _table(headers: Mapping[str, Any]) -> bytes | None:
     """A flat table of str and int values as pika encodes it, or None for anything else."""
     pieces = []
     for name, value in headers.items():
-        encoded_name = _short(name) if type(name) is str else None
+        encoded_name = _name(name) if type(name) is str else None
         if encoded_name is None:
             return None
         pieces.append(encoded_name)
@@ -75,7 +87,7 @@ def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | 
     fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
               "headers": headers or None, "timestamp": timestamp}
     try:
-        parts = (_short(content_type), _table(headers) if headers else b"", _short(message_id))
+        parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id))
     except UnicodeEncodeError:  # a lone surrogate: pika raises it when publishing, as before
         return BasicProperties(**fields)
     content, table, ident = parts

@@ -365,6 +365,16 @@ def test_the_resolvers_scans_read_shared_memory_only_never_the_outbox(env: Env) 
                 admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
 
 
+def _explain_claim(claim_conn: psycopg.Connection[Any], tables: Tables) -> dict[str, Any]:
+    """The claim's plan, run (rolled back) on ``claim_conn`` made a claim session."""
+    store.claim_session(claim_conn)
+    with claim_conn.transaction(force_rollback=True):
+        explained = claim_conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + tables.query("claim"), CLAIM).fetchone()
+    assert explained is not None
+    return explained[0][0]["Plan"]  # type: ignore[no-any-return]
+
+
 def test_rows_other_transactions_hold_are_stepped_over_before_the_key_probes(env: Env) -> None:
     """A batch in flight (prepared) and a claim made ahead (open) hold the first rows: the claim
     steps over them by their xmax, never probing their keys (before, each was probed and then
@@ -396,13 +406,7 @@ def test_rows_other_transactions_hold_are_stepped_over_before_the_key_probes(env
                     tables.outbox), (ids[2 * BATCH:2 * BATCH + 20],)).fetchall())
                 assert all(left.values()), left  # every one of them has an xmax left over
 
-                store.claim_session(claim_conn)
-                with claim_conn.transaction(force_rollback=True):
-                    explained = claim_conn.execute(
-                        sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + tables.query("claim"),
-                        CLAIM).fetchone()
-                assert explained is not None
-                plan = explained[0][0]["Plan"]
+                plan = _explain_claim(claim_conn, tables)
                 probes = [n["Actual Loops"] for n in nodes(plan) if _key_probe(plan, n)]
                 assert probes and max(probes) <= BATCH, f"{probes}\n{plan}"
                 with claim_conn.transaction(force_rollback=True):
@@ -410,3 +414,16 @@ def test_rows_other_transactions_hold_are_stepped_over_before_the_key_probes(env
                 assert sorted(r[0] for r in rows) == ids[2 * BATCH:]
         finally:
             admin.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+
+def test_the_claim_sorts_a_keyed_batch_twice_not_three_times(env: Env) -> None:
+    """The claim's windows want the batch in id order (the byte budget) and in key order (the
+    per-key checks, at two levels): with the key window named first, the first level hands
+    the second its rows in key order already (relay/queries.sql)."""
+    tables = Tables(env.table)
+    with env.connect() as admin, env.connect() as claim_conn:
+        _insert(admin, tables.outbox, 2 * BATCH, keys=KEYS)
+        plan = _explain_claim(claim_conn, tables)
+        sorts = [n["Sort Key"] for n in nodes(plan) if n["Node Type"] == "Sort"]
+        assert len(sorts) == 2, f"{sorts}\n{plan}"
+        assert max(n["Actual Rows"] for n in nodes(plan) if n["Node Type"] == "Sort") == BATCH

@@ -368,3 +368,17 @@ def test_publish_problem_agrees_with_to_message() -> None:
         stamped = message_headers(headers, "order-1", 7)
         assert plain(headers=stamped, body_size=len(b'{"total": 12}'), message_id="evt-7",
                      routing_key="order.created", created_at=CREATED) == expected
+
+
+@pytest.mark.parametrize("key", [None, "order-1", "", "ключ-€-😀", "k" * 300])
+@pytest.mark.parametrize("row_id", [7, (1 << 31) - 1, 1 << 31, (1 << 63) - 1])
+def test_a_row_without_headers_of_its_own_is_built_as_a_decoded_empty_object_is(
+        key: str | None, row_id: int) -> None:
+    # Most rows carry the column's default '{}': they skip the JSON decoder and the checks a
+    # producer's headers need, and must come out exactly as '{ }' (decoded) does.
+    quick = message(raw_headers="{}", ordering_key=key, id=row_id)
+    decoded = message(raw_headers="{ }", ordering_key=key, id=row_id)
+
+    assert quick.properties.headers == decoded.properties.headers
+    assert (pika.frame.Header(1, 9, quick.properties).marshal()
+            == pika.frame.Header(1, 9, decoded.properties).marshal())

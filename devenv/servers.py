@@ -15,6 +15,7 @@ import os
 import pwd
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -254,14 +255,18 @@ class PostgresServer:
         max_prepared_transactions: int = 64,
         extra_conf: dict[str, str] | None = None,
         base_dir: Path | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
-        """Describe the server; nothing is created or started until start()."""
+        """Describe the server; nothing is created or started until start(). ``wrapper``: a
+        command the server runs under, its program and arguments (valgrind, say); ``{dir}`` in
+        them is the server's directory."""
         self.port: int = port if port is not None else free_port()
         self.url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/outbox"
         self.admin_url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/postgres"
         self.max_prepared_transactions = max_prepared_transactions
         self.extra_conf = dict(extra_conf or {})
         self.base_dir = base_dir
+        self.wrapper = list(wrapper or [])
         #: The temporary directory (data/, sock/, postgres.log); None before start/after cleanup.
         self.directory: Path | None = None
         self._bindir = _pg_bindir()
@@ -447,6 +452,7 @@ class PostgresServer:
                 "-t",
                 str(int(timeout)),
                 "-s",
+                *self._wrapped(),
             ],
             timeout=timeout + 15,
         )
@@ -454,6 +460,17 @@ class PostgresServer:
         if not self._database_created:
             self._create_database()
             self._database_created = True
+
+    def _wrapped(self) -> list[str]:
+        """pg_ctl's -p (the postgres program): a script that runs it under the wrapper."""
+        if not self.wrapper:
+            return []
+        script = self._dir() / "postgres-wrapped"
+        words = " ".join(shlex.quote(word.replace("{dir}", str(self._dir())))
+                         for word in [*self.wrapper, str(self._bindir / "postgres")])
+        script.write_text(f'#!/bin/sh\nexec {words} "$@"\n', encoding="utf-8")
+        script.chmod(0o755)
+        return ["-p", str(script)]
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server with pg_ctl; mode "immediate" skips the checkpoint (a crash)."""

@@ -1,0 +1,183 @@
+"""Instructions per event, counted by callgrind: the work itself, the same count whatever else
+the machine does. On a shared 2-core machine a rate moves by a third from one minute to the
+next, and a change worth a few per cent shows only here.
+
+    python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--out JSON]
+
+- build: ``relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
+  key, but the two headers a keyed message gets written in the headers column), in one Python
+  process under callgrind, minus the same process building the rows only;
+- claim: the relay's claim statement (relay/queries.sql), batches of B out of N rows, on a
+  PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
+  session's backend only, minus a session that runs the claim once on the empty table (its
+  planning and catalog reads). Plain COMMIT after each claim: PREPARE is not what is counted.
+
+Needs valgrind (Debian's package). Minutes: everything runs about 50 times slower under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from benchmarks.workload import say
+from devenv.servers import PostgresServer
+from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER, to_message
+from relay.migrate import migrate
+from relay.model import OutboxRow
+from relay.queries import Tables
+from relay.store import claim_session
+
+SHAPES = ("none", "keys", "headers")
+CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
+                "max_row_bytes": (128 << 20) + 65536}
+_COLLECTED = re.compile(r"Collected : (\d+)")
+_TOTALS = re.compile(r"^(?:totals|summary): (\d+)", re.M)
+
+
+def _row(n: int, shape: str, keys: int) -> OutboxRow:
+    """A claimed row as the claim fetches it, about the benchmark's size."""
+    key = f"k{n % keys}" if shape == "keys" else None
+    headers = (json.dumps({ORDERING_KEY_HEADER: f"k{n % keys}", POSITION_HEADER: n})
+               if shape == "headers" else "{}")
+    return OutboxRow(id=n, message_id=f"bench-{n}", exchange="bench.events",
+                     routing_key="bench.0", ordering_key=key,
+                     body=b'{"key": "k1", "pad": "' + b"x" * 210 + b'", "seq": 12345}',
+                     is_json=True, headers=headers, content_type=None,
+                     created_epoch=1_764_000_000.5, created_at="2025-11-24 16:00:00.5+00",
+                     attempts=0)
+
+
+def _build_child(shape: str, rows: int, keys: int, build: bool) -> None:
+    built = [_row(1_000_000 + n, shape, keys) for n in range(rows)]
+    to_message(built[0], max_bytes=1 << 20)  # imports and first-call work, in both runs
+    for row in built if build else ():
+        to_message(row, max_bytes=1 << 20)
+
+
+def _callgrind_python(args: list[str]) -> int:
+    # One hash seed: dicts and sets then do the same work from run to run.
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+         "-m", "benchmarks.instructions", *args], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"})
+    found = _COLLECTED.search(out.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count from callgrind:\n{out.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def build(rows: int, keys: int) -> dict[str, int]:
+    """Instructions per row of to_message, by shape."""
+    per_row = {}
+    for shape in SHAPES:
+        args = ["--child-build", shape, "--rows", str(rows), "--keys", str(keys)]
+        total = _callgrind_python(args)
+        rows_only = _callgrind_python([*args, "--rows-only"])
+        per_row[shape] = round((total - rows_only) / rows)
+        say(f"build, {shape}: {per_row[shape]:,} instructions a row")
+    return per_row
+
+
+def _fill(url: str, tables: Tables, rows: int, keys: int) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("TRUNCATE {}").format(tables.outbox))
+        conn.execute(sql.SQL(
+            "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
+            "SELECT 'bench-' || n, 'bench.events', 'bench.0', "
+            "CASE WHEN %(keys)s > 0 THEN 'k' || (n %% greatest(%(keys)s, 1)) END, "
+            "jsonb_build_object('key', 'k1', 'seq', n, 'pad', repeat('x', 210)) "
+            "FROM generate_series(1, %(rows)s) AS n").format(tables.outbox),
+            {"keys": keys, "rows": rows})
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(tables.outbox))
+
+
+def _backend_total(server: PostgresServer, pid: int, timeout: float = 300.0) -> int:
+    """The instructions of backend ``pid``, from the file callgrind writes when it exits."""
+    assert server.directory is not None
+    path = server.directory / f"callgrind.{pid}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            found = _TOTALS.search(path.read_text(errors="replace"))
+            if found:
+                return int(found.group(1))
+        time.sleep(0.5)
+    raise RuntimeError(f"no callgrind output for backend {pid} in {path}")
+
+
+def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: int) -> int:
+    """Instructions of one claim session's backend that claims ``claims`` batches."""
+    claim = tables.query("claim")
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+        claim_session(conn)
+        for _ in range(claims):
+            conn.execute("BEGIN")
+            got = conn.execute(claim, {"limit": batch, **CLAIM_PARAMS}, prepare=False).fetchall()
+            conn.execute("COMMIT")
+            if claims > 1 and len(got) != batch:
+                raise RuntimeError(f"a claim returned {len(got)} rows, not {batch}")
+    return _backend_total(server, pid)
+
+
+def claim(rows: int, batch: int, keys: int) -> dict[str, int]:
+    """Instructions per claimed row of the claim, without keys and with ``keys`` keys."""
+    server = PostgresServer(wrapper=[
+        "valgrind", "--tool=callgrind", "--trace-children=no",
+        "--callgrind-out-file={dir}/callgrind.%p"], extra_conf={"autovacuum": "off"})
+    server.start(timeout=180)
+    try:
+        tables = Tables("outbox")
+        migrate(server.url, tables.name, timeout=60)
+        _fill(server.url, tables, 0, 0)
+        base = _claim_session(server, tables, batch, 1)
+        per_row = {}
+        for shape, count in (("none", 0), ("keys", keys)):
+            _fill(server.url, tables, rows, count)
+            total = _claim_session(server, tables, batch, rows // batch)
+            per_row[shape] = round((total - base) / (rows // batch * batch))
+            say(f"claim, {shape}: {per_row[shape]:,} instructions a row")
+        return per_row
+    finally:
+        server.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=20_000, help="rows claimed, and built")
+    parser.add_argument("--batch", type=int, default=2_000, help="rows a claim asks for")
+    parser.add_argument("--keys", type=int, default=10_000, help="distinct ordering keys")
+    parser.add_argument("--out", type=Path, default=Path("results/instructions.json"))
+    parser.add_argument("--child-build", choices=SHAPES, help=argparse.SUPPRESS)
+    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_build:
+        _build_child(args.child_build, args.rows, args.keys, build=not args.rows_only)
+        return 0
+    if args.rows < args.batch or args.keys < 1:
+        parser.error("--rows must be at least --batch, and --keys at least 1")
+    results: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.instructions", *(argv or sys.argv[1:])]),
+        "rows": args.rows, "batch": args.batch, "keys": args.keys,
+        "build": build(min(args.rows, 2_000), args.keys),
+        "claim": claim(args.rows, args.batch, args.keys)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The instruction counter (benchmarks/instructions.py) runs end to end in a small size, so it
+cannot rot: to_message in Python processes under callgrind, the claim on a PostgreSQL started
+under callgrind (devenv.servers' wrapper)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def test_instructions_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "instructions.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.instructions", "--rows", "400", "--batch", "200",
+         "--keys", "100", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counted = json.loads(out.read_text())
+    assert set(counted["build"]) == {"none", "keys", "headers"}
+    assert set(counted["claim"]) == {"none", "keys"}
+    # Counts, not timings: a keyed row is more work than a keyless one, in both places.
+    assert 0 < counted["build"]["none"] < counted["build"]["keys"]
+    assert 0 < counted["claim"]["none"] < counted["claim"]["keys"]

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -150,7 +151,22 @@ def claim(rows: int, batch: int, keys: int) -> dict[str, int]:
             say(f"claim, {shape}: {per_row[shape]:,} instructions a row")
         return per_row
     finally:
+        directory = server.directory
         server.cleanup()
+        _remove_late_files(directory)
+
+
+def _remove_late_files(directory: Path | None, quiet: float = 2.0, limit: float = 30.0) -> None:
+    """Server processes under callgrind write their files as they exit, after cleanup() has
+    emptied the directory: remove it again until it has stayed gone for ``quiet`` seconds."""
+    if directory is None:
+        return
+    deadline, gone_since = time.monotonic() + limit, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - gone_since < quiet:
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            gone_since = time.monotonic()
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,13 +238,12 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
     try:
         flat = row.headers == EMPTY_HEADERS
         if flat:  # the column's default, most rows: nothing to decode, only the relay's headers
-            headers = ({} if row.ordering_key is None else
-                       {ORDERING_KEY_HEADER: row.ordering_key, POSITION_HEADER: row.id})
+            headers: Any = {}
         else:
             headers, undecodable = decode_headers(row.headers)
             if undecodable is not None:
                 return Unpublishable(undecodable)
-            headers = message_headers(headers, row.ordering_key, row.id)
+        headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
         found, properties = _check(
             message_id=row.message_id, exchange=row.exchange, routing_key=row.routing_key,

@@ -178,6 +178,7 @@ class Relay(Loop):
         rows, ahead = self.claimed_ahead, self._ahead
         self._ahead = None
         if not rows:
+            ahead = None  # what a claim ahead built belongs to its rows, never to these
             rows = self._claim(s.batch_max_bytes)
         if not rows:
             self.store.rollback()
@@ -191,6 +192,12 @@ class Relay(Loop):
             messages, invalid = ahead.built
         else:
             messages, invalid = self._build(rows)
+        # Every claimed row leaves as a message or a dead letter. A batch that would commit a row
+        # as neither is a bug: stopped here, before its PREPARE (the claim is rolled back).
+        if len(messages) + len(invalid) + len(oversized) != len(rows):
+            raise RuntimeError(
+                f"bug: {len(rows)} rows claimed, {len(messages)} messages and "
+                f"{len(invalid) + len(oversized)} dead letters built; nothing was prepared")
         missing = self.publisher.missing_exchanges({m.exchange for m in messages})
         failed_early = {m.row_id: missing[m.exchange] for m in messages if m.exchange in missing}
         messages = [m for m in messages if m.row_id not in failed_early]

@@ -1161,6 +1161,30 @@ def test_a_batch_built_ahead_is_built_again_for_another_frame_max(
     assert "frame_max of 4096" in rig.store.dead_letter[big].error
 
 
+def test_a_batch_that_would_lose_a_row_is_stopped_before_its_prepare(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=3)
+    ids = rig.store.add_many(3)
+    real = rig.relay._build
+    monkeypatch.setattr(rig.relay, "_build", lambda rows: real(rows[1:]))  # a bug drops a row
+
+    with pytest.raises(RuntimeError, match="3 rows claimed, 2 messages"):
+        rig.relay.run_batch()
+    assert rig.store.prepared == {} and rig.publisher.published_ids() == []
+    rig.relay.store.rollback()  # what the loop's reset does
+    assert sorted(rig.store.rows) == ids
+
+
+def test_an_empty_claim_ahead_lends_nothing_to_the_next_batch(rig: Rig) -> None:
+    ids = rig.store.add_many(2)
+    # A claim ahead that found nothing, its (empty) build for the frame_max in force.
+    rig.relay._ahead = worker.Ahead([], built=([], []), frame_max=rig.publisher.frame_max)
+
+    rig.relay.run_batch()
+
+    assert rig.publisher.published_ids() == ids and rig.batches("committed") == 1
+
+
 def test_rows_addressed_to_the_ledger_are_dead_lettered(rig: Rig) -> None:
     stream = rig.relay.settings.ledger_stream
     via_default = rig.store.add(exchange="", routing_key=stream)

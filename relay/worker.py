@@ -47,6 +47,12 @@ log = logging.getLogger("relay")
 # apart from the network must not be retried forever, and retried alone it names itself.
 LOST_STREAK_LIMIT = 3
 
+# A claim made ahead that finds nothing while the batch in flight holds keyed rows was most
+# likely held back by key heads in flight (this batch's, or another relay's): it locked up to a
+# whole batch of rows only to leave them (relay/queries.sql). The next claim ahead asks for
+# this share of a batch, doubling back to a whole batch as its claims come back full.
+AHEAD_RESTART_SHARE = 8
+
 
 class Store(Protocol):
     ledger_key: bytes  # read on connect: signs the ledger records
@@ -152,6 +158,8 @@ class Relay(Loop):
         # Batches in a row whose broker connection was lost (see LOST_STREAK_LIMIT).
         self._lost_streak = 0
         self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
+        self._batch_keyed = False  # the batch in flight has rows with an ordering key
+        self._ahead_rows = settings.batch_size  # what the next claim ahead asks for
 
     @property
     def instance_name(self) -> str:
@@ -187,6 +195,7 @@ class Relay(Loop):
         # Rows too big to fetch were moved to the dead-letter table by the claim itself.
         oversized = [(row, row.dead_reason) for row in rows if row.dead_reason is not None]
         self._batch_bytes = sum(row.row_bytes for row in rows)
+        self._batch_keyed = any(row.ordering_key is not None for row in rows)
         if ahead is not None and ahead.built is not None \
                 and ahead.frame_max == self.publisher.frame_max:
             messages, invalid = ahead.built
@@ -324,10 +333,14 @@ class Relay(Loop):
         if budget <= 0:
             return
         try:
-            rows = self._claim(budget)
+            rows = self._claim(budget, self._ahead_rows)
             if not rows:
+                if self._batch_keyed:
+                    self._ahead_rows = max(1, self.settings.batch_size // AHEAD_RESTART_SHARE)
                 self.store.rollback()
                 return
+            if len(rows) >= self._ahead_rows:
+                self._ahead_rows = min(2 * self._ahead_rows, self.settings.batch_size)
         except DatabaseError as exc:
             self._ahead = Ahead([], exc)
             return
@@ -342,9 +355,10 @@ class Relay(Loop):
             built = None
         self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max)
 
-    def _claim(self, max_bytes: int) -> list[OutboxRow]:
+    def _claim(self, max_bytes: int, limit: int | None = None) -> list[OutboxRow]:
         s = self.settings
-        return self.store.claim(s.batch_size, max_bytes, max_message_bytes=s.max_message_bytes)
+        return self.store.claim(limit or s.batch_size, max_bytes,
+                                max_message_bytes=s.max_message_bytes)
 
     def _ledger_missing(self, exc: LedgerMissing) -> None:
         """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it

@@ -1109,6 +1109,37 @@ def test_a_bad_row_in_the_batch_claimed_ahead_is_handled_in_its_own_batch(
     assert rig.batches("committed") == 2
 
 
+def test_a_claim_ahead_held_back_by_keys_in_flight_asks_for_less_then_doubles_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(monkeypatch, batch_size=8)
+    for _ in range(2):  # the second row of each key waits for the first one's batch
+        for key in range(8):
+            rig.store.add(ordering_key=f"k{key}")
+    rig.relay.run_batch()  # the claim ahead finds every key's head in flight: nothing
+    rig.relay.run_batch()  # the second rows; the claim ahead finds an empty outbox
+    rig.store.add_many(20)  # rows without a key
+    for _ in range(4):
+        rig.relay.run_batch()
+
+    limits = [c["limit"] for c in rig.store.called("claim")]
+    # (batch, then its claim ahead): a claim that is not made ahead always asks for a batch.
+    assert limits == [8, 8, 8, 1, 8, 1, 2, 4, 8]
+    published = rig.publisher.published_ids()
+    assert len(published) == 31 and len(rig.relay.claimed_ahead) == 5  # the last 5 rows
+
+
+def test_an_empty_claim_ahead_behind_rows_without_a_key_still_asks_for_a_batch(
+        rig: Rig) -> None:
+    rig.store.add_many(3)
+
+    rig.relay.run_batch()  # the claim ahead finds nothing: the outbox is empty
+    rig.store.add_many(15)
+    rig.relay.run_batch()
+    rig.relay.run_batch()
+
+    assert [c["limit"] for c in rig.store.called("claim")] == [10, 10, 10, 10, 10]
+
+
 def test_the_batch_claimed_ahead_is_built_while_the_confirms_are_awaited(
         monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)

@@ -45,6 +45,12 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
     loop: dict[str, dict[int, list[float]]] = {label: {n: [] for n in RELAYS} for label in labels}
     programs: dict[str, dict[int, list[float]]] = {
         label: {n: [] for n in RELAYS} for label in labels}
+    # CPU seconds of each run by component (the servers', and the loop's relays): what a label
+    # costs where, on a machine whose two cores all of them share.
+    loop_cpu: dict[str, dict[int, list[dict[str, float]]]] = {
+        label: {n: [] for n in RELAYS} for label in labels}
+    programs_cpu: dict[str, dict[int, list[dict[str, float]]]] = {
+        label: {n: [] for n in RELAYS} for label in labels}
     ceilings: list[float] = []
     for r in range(rounds):
         say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 (loop, then programs) without "
@@ -56,21 +62,28 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
             for n in RELAYS:
-                loop[label][n].append(throughput.relay_run(
-                    keyed, events, n, batch_size=batch_size, tag=f"k{label}r{r}x{n}").rate)
+                run = throughput.relay_run(keyed, events, n, batch_size=batch_size,
+                                           tag=f"k{label}r{r}x{n}")
+                loop[label][n].append(run.rate)
+                loop_cpu[label][n].append(run.cpu_seconds)
+                meter = keyed.cpu_meter()
+                meter.start()
                 programs[label][n].append(cli_relays.rate(
                     dataclasses.replace(keyed, drained_sink=drained), logdir, n, events,
                     f"k{label}r{r}"))
+                programs_cpu[label][n].append(meter.stop())
     top = _median(ceilings)
     return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
             "events": events, "batch_size": batch_size, "drained_sink": drained,
-            "series": _series(loop, top),
-            "programs": _series(programs, top)}
+            "series": _series(loop, top, loop_cpu),
+            "programs": _series(programs, top, programs_cpu)}
 
 
-def _series(rates: dict[str, dict[int, list[float]]], top: float) -> dict[str, Any]:
+def _series(rates: dict[str, dict[int, list[float]]], top: float,
+            cpu: dict[str, dict[int, list[dict[str, float]]]]) -> dict[str, Any]:
     """Each label's median rate per relay count, as ratios to the ceiling, to the keyless rate
-    and (keyed labels) to the rate of keyless rows carrying the same headers."""
+    and (keyed labels) to the rate of keyless rows carrying the same headers; and the median
+    CPU seconds of a run by component (the programs' include the servers' only)."""
     keyless = {n: _median(runs) for n, runs in rates["none"].items()}
     with_headers = {n: _median(runs) for n, runs in rates[HEADERS].items()}
     series: dict[str, dict[str, dict[str, Any]]] = {}
@@ -79,7 +92,9 @@ def _series(rates: dict[str, dict[int, list[float]]], top: float) -> dict[str, A
         for n, runs in by_relays.items():
             entry: dict[str, Any] = {"rate": round(_median(runs)),
                                      "ratio_to_ceiling": round(_median(runs) / top, 3),
-                                     "rounds": [round(x) for x in runs]}
+                                     "rounds": [round(x) for x in runs],
+                                 "cpu_s": {part: round(_median([c[part] for c in cpu[label][n]]), 2)
+                                           for part in (cpu[label][n][0] if cpu[label][n] else {})}}
             if label != "none":
                 entry["ratio_to_keyless"] = round(_median(runs) / keyless[n], 3)
             if label.isdigit():  # what the order costs beyond its headers

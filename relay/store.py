@@ -455,7 +455,9 @@ class OutboxStore:
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:
             self._fitting = max(1, 2 * len(rows))  # the budget cut this claim
-        elif len(rows) >= asked and self._fitting is not None:
+        elif len(rows) >= asked and asked == self._fitting:
+            # It fit whole: grow back. (A claim asking for less, one made ahead behind keys in
+            # flight, says nothing about what fits.)
             self._fitting = None if 2 * asked >= limit else 2 * asked
         return rows
 

@@ -67,6 +67,16 @@ def test_after_a_cut_the_next_claim_asks_for_about_twice_what_fit(
     assert len(rows) == 8 and outbox._fitting == 16
 
 
+def test_a_smaller_claim_that_fits_keeps_what_the_budget_taught(
+        env: Env, outbox: OutboxStore) -> None:
+    add(env, 200, payload_bytes=b"x" * 1000)
+    outbox.claim(100, 5000)  # 4 rows fit
+    outbox.rollback()
+    rows = outbox.claim(2, 1 << 30)  # a claim ahead asking for less: says nothing about 8
+    outbox.rollback()
+    assert len(rows) == 2 and outbox._fitting == 8
+
+
 def test_rows_too_big_to_fetch_are_dead_lettered_by_the_claim(env: Env,
                                                               outbox: OutboxStore) -> None:
     add(env, payload=Jsonb({"before": 1}), message_id="small-1")

@@ -90,11 +90,12 @@ def _series(rates: dict[str, dict[int, list[float]]], top: float,
     for label, by_relays in rates.items():
         series[label] = {}
         for n, runs in by_relays.items():
+            runs_cpu = cpu[label][n]
             entry: dict[str, Any] = {"rate": round(_median(runs)),
                                      "ratio_to_ceiling": round(_median(runs) / top, 3),
                                      "rounds": [round(x) for x in runs],
-                                 "cpu_s": {part: round(_median([c[part] for c in cpu[label][n]]), 2)
-                                           for part in (cpu[label][n][0] if cpu[label][n] else {})}}
+                                     "cpu_s": {part: round(_median([c[part] for c in runs_cpu]), 2)
+                                               for part in (runs_cpu[0] if runs_cpu else {})}}
             if label != "none":
                 entry["ratio_to_keyless"] = round(_median(runs) / keyless[n], 3)
             if label.isdigit():  # what the order costs beyond its headers

@@ -30,6 +30,7 @@ class CpuMeter:
     def __init__(self, groups: Mapping[str, Callable[[], list[int]]]) -> None:
         self._groups = groups
         self._start: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # what the last stop() returned
 
     def _now(self) -> dict[str, float]:
         return {name: sum(process_seconds(pid) for pid in pids())
@@ -39,5 +40,6 @@ class CpuMeter:
         self._start = self._now()
 
     def stop(self) -> dict[str, float]:
-        return {name: round(seconds - self._start[name], 3)
-                for name, seconds in self._now().items()}
+        self.seconds = {name: round(seconds - self._start[name], 3)
+                        for name, seconds in self._now().items()}
+        return self.seconds

@@ -37,20 +37,25 @@ def _median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    rate: float
+    # CPU seconds by component (the servers', the relays'): what a label costs where, on a
+    # machine whose two cores all of them share.
+    cpu_seconds: dict[str, float]
+
+
+# A label's runs by relay count: "none", HEADERS, then each key count.
+Runs = dict[str, dict[int, list[Run]]]
+
+
 def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, batch_size: int,
         rounds: int, window: int, drained: bool = False) -> dict[str, Any]:
     """``drained``: the sink is purged as it fills (workload.SinkDepth) for the ceiling and the
     programs, the shape a sink with consumers that keep up has; the loop's is not."""
     labels = ["none", HEADERS, *map(str, key_counts)]
-    loop: dict[str, dict[int, list[float]]] = {label: {n: [] for n in RELAYS} for label in labels}
-    programs: dict[str, dict[int, list[float]]] = {
-        label: {n: [] for n in RELAYS} for label in labels}
-    # CPU seconds of each run by component (the servers', and the loop's relays): what a label
-    # costs where, on a machine whose two cores all of them share.
-    loop_cpu: dict[str, dict[int, list[dict[str, float]]]] = {
-        label: {n: [] for n in RELAYS} for label in labels}
-    programs_cpu: dict[str, dict[int, list[dict[str, float]]]] = {
-        label: {n: [] for n in RELAYS} for label in labels}
+    loop: Runs = {label: {n: [] for n in RELAYS} for label in labels}
+    programs: Runs = {label: {n: [] for n in RELAYS} for label in labels}
     ceilings: list[float] = []
     for r in range(rounds):
         say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 (loop, then programs) without "
@@ -62,44 +67,41 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
             for n in RELAYS:
-                run = throughput.relay_run(keyed, events, n, batch_size=batch_size,
-                                           tag=f"k{label}r{r}x{n}")
-                loop[label][n].append(run.rate)
-                loop_cpu[label][n].append(run.cpu_seconds)
-                meter = keyed.cpu_meter()
-                meter.start()
-                programs[label][n].append(cli_relays.rate(
-                    dataclasses.replace(keyed, drained_sink=drained), logdir, n, events,
-                    f"k{label}r{r}"))
-                programs_cpu[label][n].append(meter.stop())
+                looped = throughput.relay_run(keyed, events, n, batch_size=batch_size,
+                                              tag=f"k{label}r{r}x{n}")
+                loop[label][n].append(Run(looped.rate, looped.cpu_seconds))
+                ran = cli_relays.run(dataclasses.replace(keyed, drained_sink=drained), logdir,
+                                     n, events, f"k{label}r{r}")
+                programs[label][n].append(Run(ran.rate, ran.cpu_seconds))
     top = _median(ceilings)
     return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
             "events": events, "batch_size": batch_size, "drained_sink": drained,
-            "series": _series(loop, top, loop_cpu),
-            "programs": _series(programs, top, programs_cpu)}
+            "series": _series(loop, top), "programs": _series(programs, top)}
 
 
-def _series(rates: dict[str, dict[int, list[float]]], top: float,
-            cpu: dict[str, dict[int, list[dict[str, float]]]]) -> dict[str, Any]:
+def _series(runs: Runs, top: float) -> dict[str, Any]:
     """Each label's median rate per relay count, as ratios to the ceiling, to the keyless rate
     and (keyed labels) to the rate of keyless rows carrying the same headers; and the median
-    CPU seconds of a run by component (the programs' include the servers' only)."""
-    keyless = {n: _median(runs) for n, runs in rates["none"].items()}
-    with_headers = {n: _median(runs) for n, runs in rates[HEADERS].items()}
+    CPU seconds of a run by component (the programs': from the COMMIT until the sink holds
+    every event, the seconds their rate times)."""
+    def rate(label: str, n: int) -> float:
+        return _median([run.rate for run in runs[label][n]])
+
     series: dict[str, dict[str, dict[str, Any]]] = {}
-    for label, by_relays in rates.items():
+    for label, by_relays in runs.items():
         series[label] = {}
-        for n, runs in by_relays.items():
-            runs_cpu = cpu[label][n]
-            entry: dict[str, Any] = {"rate": round(_median(runs)),
-                                     "ratio_to_ceiling": round(_median(runs) / top, 3),
-                                     "rounds": [round(x) for x in runs],
-                                     "cpu_s": {part: round(_median([c[part] for c in runs_cpu]), 2)
-                                               for part in (runs_cpu[0] if runs_cpu else {})}}
+        for n, these in by_relays.items():
+            parts = these[0].cpu_seconds if these else {}
+            entry: dict[str, Any] = {
+                "rate": round(rate(label, n)),
+                "ratio_to_ceiling": round(rate(label, n) / top, 3),
+                "rounds": [round(run.rate) for run in these],
+                "cpu_s": {part: round(_median([run.cpu_seconds[part] for run in these]), 2)
+                          for part in parts}}
             if label != "none":
-                entry["ratio_to_keyless"] = round(_median(runs) / keyless[n], 3)
+                entry["ratio_to_keyless"] = round(rate(label, n) / rate("none", n), 3)
             if label.isdigit():  # what the order costs beyond its headers
-                entry["ratio_to_headers"] = round(_median(runs) / with_headers[n], 3)
+                entry["ratio_to_headers"] = round(rate(label, n) / rate(HEADERS, n), 3)
             series[label][str(n)] = entry
     return series
 

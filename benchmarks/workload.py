@@ -64,8 +64,9 @@ class Servers:
     # production, without a consumer's CPU on the machine (SinkDepth).
     drained_sink: bool = False
 
-    def cpu_meter(self) -> CpuMeter:
-        return CpuMeter({"postgresql": self.postgres_pids, "rabbitmq": self.rabbitmq_pids})
+    def cpu_meter(self, **more: Callable[[], list[int]]) -> CpuMeter:
+        """The servers' CPU, and ``more`` named groups of processes beside them."""
+        return CpuMeter({"postgresql": self.postgres_pids, "rabbitmq": self.rabbitmq_pids, **more})
 
 
 def queue_names(queues: int) -> list[str]:
@@ -208,15 +209,20 @@ class SinkDrainer(threading.Thread):
 
 
 def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
-          timeout: float = 600.0) -> float:
+          timeout: float = 600.0, meter: CpuMeter | None = None) -> float:
     """Insert ``events`` in ONE transaction (as a producer's batch job would) and return the
-    seconds from its COMMIT until the sink holds them all; every event checked exactly once."""
+    seconds from its COMMIT until the sink holds them all; every event checked exactly once.
+    ``meter`` runs over those seconds only (not the insert): its ``seconds`` then hold them."""
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         # One statement: one transaction.
         insert_events(conn, prefix, 0, events - 1, servers.sink_queues, servers.keys,
                       servers.key_headers)
     committed = time.monotonic()
+    if meter is not None:
+        meter.start()
     seconds = depth.wait_for(events, timeout) - committed
+    if meter is not None:
+        meter.stop()
     if depth.drains:
         # Purged messages cannot be checked one by one: the count, and nothing left behind.
         time.sleep(0.2)

@@ -7,7 +7,6 @@ topic exchange bound to one durable classic queue, the sink (or to several, by r
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import time
@@ -135,20 +134,10 @@ def check_exactly_once(servers: Servers, produced: list[str], what: str, *,
                        max_duplicates: int = 0, drain_timeout: float = 300.0) -> checker.Report:
     """Drain the sink and compare with ``produced``: nothing lost, nothing left, no copy (or
     at most ``max_duplicates``, where a run stops a server under batches in flight)."""
-    # Every message was confirmed, so it is in its queue: drain each until it is empty. Idle
-    # for half a second is not empty: a classic queue holding 200,000 persistent messages
-    # paused that long while reading them back (389 of them drained, the rest "lost").
-    deliveries: list[checker.Delivery] = []
-    depth = SinkDepth(dataclasses.replace(servers, drained_sink=False))
-    deadline = time.monotonic() + drain_timeout
-    try:
-        while True:
-            for name in queue_names(servers.sink_queues):
-                deliveries.extend(checker.drain(servers.amqp_url, name, idle_timeout=0.5))
-            if depth() == 0 or time.monotonic() > deadline:
-                break
-    finally:
-        depth.close()
+    # Every message was confirmed, so it is in its queue: drain each until it is empty.
+    deliveries = [delivery for name in queue_names(servers.sink_queues)
+                  for delivery in checker.drain(servers.amqp_url, name, idle_timeout=0.5,
+                                                total_timeout=drain_timeout)]
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         report = checker.check(produced, deliveries, conn=conn, table=TABLE)
     if not report.ok(max_duplicates=max_duplicates):

@@ -58,12 +58,14 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
     programs: Runs = {label: {n: [] for n in RELAYS} for label in labels}
     ceilings: list[float] = []
     for r in range(rounds):
-        say(f"keys round {r + 1}/{rounds}: ceiling, relay x1 x4 (loop, then programs) without "
-            f"keys, without keys but with their headers, and with "
-            f"{', '.join(f'{k:,}' for k in key_counts)} keys")
+        # Every other round runs the labels in reverse: a machine that slows down (or speeds
+        # up) over a round then does not always favour the same label.
+        order = labels if r % 2 == 0 else labels[::-1]
+        say(f"keys round {r + 1}/{rounds}: ceiling, then relay x1 x4 (loop, then programs) "
+            f"for {', '.join(_shown(label) for label in order)}")
         ceilings.append(ceiling.publish_rate(
             dataclasses.replace(servers, drained_sink=drained), events, window).rate)
-        for label in labels:
+        for label in order:
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
             for n in RELAYS:
@@ -79,11 +81,17 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
             "series": _series(loop, top), "programs": _series(programs, top)}
 
 
+def _shown(label: str) -> str:
+    return ("no key" if label == "none" else "no key, key headers" if label == HEADERS
+            else f"{int(label):,} keys")
+
+
 def _series(runs: Runs, top: float) -> dict[str, Any]:
     """Each label's median rate per relay count, as ratios to the ceiling, to the keyless rate
     and (keyed labels) to the rate of keyless rows carrying the same headers; and the median
     CPU seconds of a run by component (the programs': from the COMMIT until the sink holds
-    every event, the seconds their rate times)."""
+    every event, the seconds their rate times); keyed labels also each round's own ratio to
+    the keyless run of that round."""
     def rate(label: str, n: int) -> float:
         return _median([run.rate for run in runs[label][n]])
 
@@ -100,6 +108,10 @@ def _series(runs: Runs, top: float) -> dict[str, Any]:
                           for part in parts}}
             if label != "none":
                 entry["ratio_to_keyless"] = round(rate(label, n) / rate("none", n), 3)
+                # Each round's own ratio: how far one round's figure can be trusted.
+                entry["round_ratios"] = [
+                    round(run.rate / keyless.rate, 3)
+                    for run, keyless in zip(these, runs["none"][n], strict=True)]
             if label.isdigit():  # what the order costs beyond its headers
                 entry["ratio_to_headers"] = round(rate(label, n) / rate(HEADERS, n), 3)
             series[label][str(n)] = entry

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.keys import HEADERS, Run, _series
 from benchmarks.latency import latencies_ms, percentile
 from benchmarks.profile import phases
 from benchmarks.soak import slope_mb_per_hour
@@ -77,3 +78,16 @@ def test_a_drained_sink_counts_what_it_purged() -> None:
     assert depth() == 300 and held == [0]
     held[0] = 200
     assert depth() == 500 and depth() == 500
+
+
+def test_keys_series_gives_the_ratio_of_medians_and_each_rounds_own() -> None:
+    def runs(*rates: float) -> list[Run]:
+        return [Run(rate, {"postgres": 1.0}) for rate in rates]
+
+    series = _series({"none": {1: runs(100, 200, 150)}, HEADERS: {1: runs(90, 100, 300)},
+                      "10000": {1: runs(50, 180, 135)}}, top=300)
+    keyed = series["10000"]["1"]
+    assert keyed["rate"] == 135 and keyed["ratio_to_ceiling"] == 0.45
+    assert keyed["ratio_to_keyless"] == 0.9 and keyed["ratio_to_headers"] == 1.35
+    assert keyed["round_ratios"] == [0.5, 0.9, 0.9]
+    assert "round_ratios" not in series["none"]["1"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks import ceiling, cli_relays, throughput
 from benchmarks.workload import Servers, say
@@ -37,12 +37,16 @@ def _median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    rate: float
+class Run(Protocol):
+    """A run of the loop (throughput.RelayRun) or of the programs (cli_relays.ProgramsRun)."""
+
+    @property
+    def rate(self) -> float: ...
+
     # CPU seconds by component (the servers', the relays'): what a label costs where, on a
     # machine whose two cores all of them share.
-    cpu_seconds: dict[str, float]
+    @property
+    def cpu_seconds(self) -> dict[str, float]: ...
 
 
 # A label's runs by relay count: "none", HEADERS, then each key count.
@@ -69,12 +73,11 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
                                         key_headers=label == HEADERS)
             for n in RELAYS:
-                looped = throughput.relay_run(keyed, events, n, batch_size=batch_size,
-                                              tag=f"k{label}r{r}x{n}")
-                loop[label][n].append(Run(looped.rate, looped.cpu_seconds))
-                ran = cli_relays.run(dataclasses.replace(keyed, drained_sink=drained), logdir,
-                                     n, events, f"k{label}r{r}")
-                programs[label][n].append(Run(ran.rate, ran.cpu_seconds))
+                loop[label][n].append(throughput.relay_run(
+                    keyed, events, n, batch_size=batch_size, tag=f"k{label}r{r}x{n}"))
+                programs[label][n].append(cli_relays.run(
+                    dataclasses.replace(keyed, drained_sink=drained), logdir, n, events,
+                    f"k{label}r{r}"))
     top = _median(ceilings)
     return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
             "events": events, "batch_size": batch_size, "drained_sink": drained,

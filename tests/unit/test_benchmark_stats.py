@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.keys import HEADERS, Run, _series
+from benchmarks.cli_relays import ProgramsRun
+from benchmarks.keys import HEADERS, _series
 from benchmarks.latency import latencies_ms, percentile
 from benchmarks.profile import phases
 from benchmarks.soak import slope_mb_per_hour
@@ -81,8 +82,8 @@ def test_a_drained_sink_counts_what_it_purged() -> None:
 
 
 def test_keys_series_gives_the_ratio_of_medians_and_each_rounds_own() -> None:
-    def runs(*rates: float) -> list[Run]:
-        return [Run(rate, {"postgres": 1.0}) for rate in rates]
+    def runs(*rates: float) -> list[ProgramsRun]:
+        return [ProgramsRun(rate, {"postgres": 1.0}) for rate in rates]
 
     series = _series({"none": {1: runs(100, 200, 150)}, HEADERS: {1: runs(90, 100, 300)},
                       "10000": {1: runs(50, 180, 135)}}, top=300)

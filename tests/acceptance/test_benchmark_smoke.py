@@ -63,8 +63,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
     """--bursts, --bloat and --outage at --smoke sizes: every figure is there and every event
     was delivered (each scenario checks it: exactly once, but for the batches in flight when the
-    outage stops the broker); the rates prove nothing at this size.
-    (--keys has no short form here yet: at --smoke sizes it failed at random, cause not found.)"""
+    outage stops the broker); the rates prove nothing at this size."""
     out = tmp_path / "scenarios.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--bursts", "--bloat", "--outage",
@@ -84,6 +83,24 @@ def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
     assert outage["drained_after_start_s"] >= outage["first_publish_after_start_s"] >= 0
     assert {t["met"] is None for t in figures["targets"]} == {False}, figures["targets"]
     assert len(figures["targets"]) == 6
+
+
+def test_the_keys_scenario_runs_in_its_short_form(tmp_path: Path) -> None:
+    """--keys at --smoke sizes, 50 keys (every batch holds every key: the rows held back behind
+    a batch in flight): each run checks its events exactly once and in order per key (else the
+    command fails), and every label has its figures; the rates prove nothing at this size."""
+    out = tmp_path / "keys.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--keys", "50", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())["keys"]
+    for source in ("series", "programs"):
+        for label in ("none", "headers", "50"):
+            for relays in ("1", "4"):
+                entry = figures[source][label][relays]
+                assert entry["rate"] > 0 and len(entry["rounds"]) == 1
+                assert label == "none" or len(entry["round_ratios"]) == 1
 
 
 def test_targets_are_judged_in_the_right_direction() -> None:

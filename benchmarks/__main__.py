@@ -109,6 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --keys: the sink of the ceiling and of the real programs is purged as it "
         "fills (a queue its consumers keep near empty); the programs' messages are counted, "
         "not checked one by one")
+    add("--shuffled-keys", action="store_true",
+        help="with --keys: event n's key is hash(n) mod N, a key's events at random distances "
+        "as an aggregate's are, instead of n mod N (exactly N ids apart: a batch then never "
+        "shares a key with the next N ids)")
     add("--sink-queues", type=int, default=1,
         help="spread the events over this many queues by routing key (default: one queue)")
     add("--sink-type", choices=("classic", "quorum"), default="classic",
@@ -277,7 +281,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
     if args.keys:
         results["keys"] = keys.run(servers, logdir, key_counts=args.keys, events=args.events,
                                    batch_size=args.batch_size, rounds=args.rounds, window=window,
-                                   drained=args.drained_sink)
+                                   drained=args.drained_sink, shuffled=args.shuffled_keys)
     results["targets"] = report.check_scenarios(results)
     if args.keys:
         results["targets"] += keys.targets(results["keys"])

@@ -54,9 +54,11 @@ Runs = dict[str, dict[int, list[Run]]]
 
 
 def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, batch_size: int,
-        rounds: int, window: int, drained: bool = False) -> dict[str, Any]:
+        rounds: int, window: int, drained: bool = False,
+        shuffled: bool = False) -> dict[str, Any]:
     """``drained``: the sink is purged as it fills (workload.SinkDepth) for the ceiling and the
-    programs, the shape a sink with consumers that keep up has; the loop's is not."""
+    programs, the shape a sink with consumers that keep up has; the loop's is not.
+    ``shuffled``: keys by a hash of the event's number (workload.Servers.shuffled_keys)."""
     labels = ["none", HEADERS, *map(str, key_counts)]
     loop: Runs = {label: {n: [] for n in RELAYS} for label in labels}
     programs: Runs = {label: {n: [] for n in RELAYS} for label in labels}
@@ -71,7 +73,7 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
             dataclasses.replace(servers, drained_sink=drained), events, window).rate)
         for label in order:
             keyed = dataclasses.replace(servers, keys=int(label) if label.isdigit() else 0,
-                                        key_headers=label == HEADERS)
+                                        key_headers=label == HEADERS, shuffled_keys=shuffled)
             for n in RELAYS:
                 loop[label][n].append(throughput.relay_run(
                     keyed, events, n, batch_size=batch_size, tag=f"k{label}r{r}x{n}"))
@@ -81,6 +83,7 @@ def run(servers: Servers, logdir: Path, *, key_counts: list[int], events: int, b
     top = _median(ceilings)
     return {"ceiling": round(top), "ceiling_rounds": [round(x) for x in ceilings],
             "events": events, "batch_size": batch_size, "drained_sink": drained,
+            "shuffled_keys": shuffled,
             "series": _series(loop, top), "programs": _series(programs, top)}
 
 

@@ -30,9 +30,11 @@ PAD = 210
 CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
 
 # Event n has ordering key 'k<n % keys>', or none when keys is 0 (the default workload: order is
-# the --keys scenario's subject, measured against this). With key_headers, a row without a key
-# carries the headers the relay adds to a keyed row's message (x-ordering-key, x-outbox-id): what
-# those headers cost apart from the order.
+# the --keys scenario's subject, measured against this). n % keys puts a key's events exactly
+# `keys` ids apart, so a batch never shares a key with the next `keys` ids; with shuffled_keys the
+# key is 'k<hash(n) % keys>' instead, a key's events at random distances, as an aggregate's are.
+# With key_headers, a row without a key carries the headers the relay adds to a keyed row's
+# message (x-ordering-key, x-outbox-id): what those headers cost apart from the order.
 _INSERT = sql.SQL(
     "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload, headers) "
     "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), key, "
@@ -40,7 +42,9 @@ _INSERT = sql.SQL(
     "CASE WHEN %(key_headers)s THEN jsonb_build_object("
     "'x-ordering-key', 'k' || (n %% 10000), 'x-outbox-id', n) ELSE '{{}}' END "
     "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n, "
-    "LATERAL (SELECT CASE WHEN %(keys)s > 0 THEN 'k' || (n %% greatest(%(keys)s, 1)) END AS key) "
+    "LATERAL (SELECT CASE WHEN %(keys)s > 0 THEN 'k' || ("
+    "CASE WHEN %(shuffled)s THEN hashint8(n)::bigint + 2147483648 ELSE n END "
+    "%% greatest(%(keys)s, 1)) END AS key) "
     "AS k"
 ).format(sql.Identifier(TABLE))
 
@@ -60,6 +64,7 @@ class Servers:
     sink_queues: int = 1
     keys: int = 0  # distinct ordering keys of the events (0: none)
     key_headers: bool = False  # rows without a key carry a keyed message's headers
+    shuffled_keys: bool = False  # keys by a hash of the event's number, not its number mod keys
     # The sink is purged at every depth poll: a queue its consumers keep near empty, as in
     # production, without a consumer's CPU on the machine (SinkDepth).
     drained_sink: bool = False
@@ -109,11 +114,12 @@ def reset(servers: Servers) -> None:
 
 
 def insert_events(conn: psycopg.Connection[Any], prefix: str, lo: int, hi: int,
-                  queues: int, keys: int = 0, key_headers: bool = False) -> None:
+                  queues: int, keys: int = 0, key_headers: bool = False,
+                  shuffled_keys: bool = False) -> None:
     """Events ``<prefix>-<lo>`` .. ``<prefix>-<hi>``, as a producer's plain INSERT (no NOTIFY)."""
     conn.execute(_INSERT, {"prefix": prefix, "exchange": EXCHANGE, "routing": ROUTING_PREFIX,
                            "queues": queues, "pad": PAD, "lo": lo, "hi": hi, "keys": keys,
-                           "key_headers": key_headers})
+                           "key_headers": key_headers, "shuffled": shuffled_keys})
 
 
 def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
@@ -121,7 +127,7 @@ def prefill(servers: Servers, count: int, prefix: str) -> list[str]:
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         for lo in range(0, count, 10_000):
             insert_events(conn, prefix, lo, min(lo + 10_000, count) - 1, servers.sink_queues,
-                          servers.keys, servers.key_headers)
+                          servers.keys, servers.key_headers, servers.shuffled_keys)
         conn.execute("ANALYZE outbox")
     return [f"{prefix}-{n}" for n in range(count)]
 
@@ -222,7 +228,7 @@ def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
     with psycopg.connect(servers.db_url, autocommit=True) as conn:
         # One statement: one transaction.
         insert_events(conn, prefix, 0, events - 1, servers.sink_queues, servers.keys,
-                      servers.key_headers)
+                      servers.key_headers, servers.shuffled_keys)
     committed = time.monotonic()
     if meter is not None:
         meter.start()

@@ -41,7 +41,7 @@ from relay.store import claim_session
 
 SHAPES = ("none", "keys", "headers")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
-                "max_row_bytes": (128 << 20) + 65536, "in_flight": None}
+                "max_row_bytes": (128 << 20) + 65536}
 _COLLECTED = re.compile(r"Collected : (\d+)")
 _TOTALS = re.compile(r"^(?:totals|summary): (\d+)", re.M)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from benchmarks.processes import run_together, status_kb
 from benchmarks.profile import Profiler
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from relay.config import RelaySettings
-from relay.model import KeySpan, OutboxRow
+from relay.model import OutboxRow
 from relay.publisher import AmqpPublisher
 from relay.store import OutboxStore, connect
 from relay.worker import Relay
@@ -49,11 +48,10 @@ class PlainCommitStore(OutboxStore):
         """The session of the latest claim (before connect() finishes: the store's own)."""
         return self._open[-1] if getattr(self, "_open", None) else super().claim_conn
 
-    def claim(self, limit: int, max_bytes: int, *, max_message_bytes: int = 134217728,
-              in_flight: Mapping[str, KeySpan] | None = None) -> list[OutboxRow]:
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = 134217728) -> list[OutboxRow]:
         self._open.append(next(c for c in self._sessions if c not in self._open))
-        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes,
-                             in_flight=in_flight)
+        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes)
 
     def rollback(self) -> None:
         self._open.pop().execute("ROLLBACK")

@@ -93,12 +93,6 @@ ACTIONS: tuple[LogAction, ...] = (
         "the resolver finished the batch first (duplicates possible, never loss)",
     ),
     LogAction(
-        ("claim_ahead_dropped",), "DEBUG", "relay",
-        "",
-        "the batch in flight did not commit, and the next batch, claimed while it was "
-        "confirmed, held later rows of its keys: that claim is rolled back and made again",
-    ),
-    LogAction(
         ("row_failed",), "WARNING", "relay",
         "`gid`, `row_id`, `message_id`",
         "the broker refused the row (unroutable, nacked, no such exchange); retried with backoff",

@@ -101,15 +101,6 @@ class OutboxRow:
 
 
 @dataclass(frozen=True)
-class KeySpan:
-    """One key's rows in the batch in flight: its first and last id there, and how many."""
-
-    first: int
-    last: int
-    count: int
-
-
-@dataclass(frozen=True)
 class Message:
     """One outbox row, ready to publish."""
 

@@ -79,14 +79,6 @@
 --   our last are all ours (else only our first row of it is taken; one count per key with
 --   several rows in the batch, on its first row, spread over the key's rows by a window).
 --   Rows of a key held back here stay locked, unclaimed, until this batch ends.
--- - or, for a claim made ahead while this relay's own batch is published (%(in_flight)s: that
---   batch's keys, each with its first id, last id and rows there; only keys all of whose rows are
---   published): the head is that batch's first row of the key, its last row is older than
---   our first, and the key's rows older than our first are exactly that batch's (one count per
---   such key). Then ours follow its rows: the relay publishes this claim only once that batch
---   has committed, and rolls this claim back if it does not (relay/worker.py). Without it, a
---   lone relay left about a fifth of each claim behind keys of its own batch in flight, with
---   keys at random distances (docs/performance.md).
 -- Each probe walks outbox_key_idx from the key's oldest row: linear in the key's rows in the
 -- batch, never a read of the table. Rows without a key skip both checks (the OR stops at
 -- ordering_key IS NULL; the head's read is gated on a key, so it reads nothing for them).
@@ -114,7 +106,7 @@ WITH live AS MATERIALIZED (
                      FOR UPDATE SKIP LOCKED), '{{}}'),
         ARRAY(SELECT id
               FROM (SELECT id, ordering_key, n, taken, first_of_key, head_id,
-                           bool_or(gapless) OVER k AS gapless, bool_or(follows) OVER k AS follows
+                           bool_or(gapless) OVER k AS gapless
                     FROM (SELECT *,
                                  CASE WHEN ordering_key IS NOT NULL AND id = first_of_key
                                            AND key_rows > 1 THEN
@@ -122,19 +114,7 @@ WITH live AS MATERIALIZED (
                                       WHERE h.ordering_key = keyed.ordering_key
                                         AND h.id BETWEEN keyed.first_of_key AND keyed.last_of_key)
                                      = key_rows
-                                 END AS gapless,
-                                 CASE WHEN ordering_key IS NULL OR id <> first_of_key
-                                           OR head_id = first_of_key THEN NULL
-                                      WHEN (%(in_flight)s::jsonb -> ordering_key) IS NULL THEN false
-                                      ELSE head_id = (%(in_flight)s::jsonb -> ordering_key ->> 0)::bigint
-                                           AND (%(in_flight)s::jsonb -> ordering_key ->> 1)::bigint
-                                               < first_of_key
-                                           AND (SELECT count(*) FROM {outbox} AS h
-                                                WHERE h.ordering_key = keyed.ordering_key
-                                                  AND h.id >= keyed.head_id
-                                                  AND h.id < keyed.first_of_key)
-                                               = (%(in_flight)s::jsonb -> ordering_key ->> 2)::bigint
-                                 END AS follows
+                                 END AS gapless
                           FROM (SELECT id, ordering_key, head_id,
                                        row_number() OVER w AS n,
                                        sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0
@@ -172,8 +152,7 @@ WITH live AS MATERIALIZED (
                     WINDOW k AS (PARTITION BY ordering_key)) AS decided
               WHERE (n = 1 OR taken <= %(max_bytes)s)
                 AND (ordering_key IS NULL
-                     OR ((head_id = first_of_key OR follows)
-                         AND (id = first_of_key OR gapless))))))
+                     OR (head_id = first_of_key AND (id = first_of_key OR gapless))))))
     RETURNING *
 ), oversized AS (
     SELECT *, CASE WHEN coalesce(octet_length(payload_bytes), octet_length(payload::text))

@@ -30,7 +30,7 @@ from relay.errors import (
     TransientError,
     describe,
 )
-from relay.model import HorizonHolder, KeySpan, OutboxRow, PreparedXact, SessionRole
+from relay.model import HorizonHolder, OutboxRow, PreparedXact, SessionRole
 from relay.queries import Tables
 
 log = logging.getLogger(__name__)
@@ -422,17 +422,14 @@ class OutboxStore:
                 return
 
     @translated
-    def claim(self, limit: int, max_bytes: int, *, max_message_bytes: int = 134217728,
-              in_flight: Mapping[str, KeySpan] | None = None) -> list[OutboxRow]:
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = 134217728) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
         ``max_bytes`` of row data at most (one row at least). A row too big to ever publish is
         moved to the dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
 
         Fetched in binary: the body (bytea) arrives as it is, not hex-encoded. Every column is
         of a type psycopg always loads (headers as text, created_at as float8 and text).
-
-        ``in_flight``: the keys of this relay's batch being published, for a claim made ahead of
-        its commit; a key's later rows may follow that batch's rows (relay/queries.sql).
         """
         asked = min(limit, self._fitting or limit)
         conn = self.claim_conn
@@ -447,10 +444,7 @@ class OutboxStore:
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
-                    "max_row_bytes": max_message_bytes + ROW_HEADROOM,
-                    "in_flight": Jsonb({key: [span.first, span.last, span.count]
-                                        for key, span in in_flight.items()})
-                    if in_flight else None}, prepare=False)
+                    "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
         except BaseException:

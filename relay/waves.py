@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
-from relay.model import KeySpan, Message, OutboxRow
+from relay.model import Message, OutboxRow
 
 
 def waves(messages: Sequence[Message]) -> list[list[Message]]:
@@ -52,20 +52,3 @@ def held_back(messages: Sequence[Message], stopped: Iterable[OutboxRow]) -> list
             first[row.ordering_key] = min(row.id, first.get(row.ordering_key, row.id))
     return [m for m in messages if m.ordering_key is not None
             and m.row_id > first.get(m.ordering_key, m.row_id)]
-
-
-def key_spans(rows: Iterable[OutboxRow], stopped: Iterable[OutboxRow]) -> dict[str, KeySpan]:
-    """Each key of a batch about to be published, as the claim made ahead of its commit may
-    follow it (relay/queries.sql): the key's span in the batch, for keys whose every row there
-    goes out as a message (a key with a row ``stopped`` is left out: it will be held back)."""
-    spans: dict[str, KeySpan] = {}
-    for row in sorted(rows, key=attrgetter("id")):
-        key = row.ordering_key
-        if key is not None:
-            span = spans.get(key)
-            spans[key] = KeySpan(row.id, row.id, 1) if span is None else KeySpan(
-                span.first, row.id, span.count + 1)
-    for row in stopped:
-        if row.ordering_key is not None:
-            spans.pop(row.ordering_key, None)
-    return spans

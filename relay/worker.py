@@ -30,7 +30,6 @@ from relay.model import (
     BatchOutcome,
     DeadLetterReason,
     Failure,
-    KeySpan,
     Message,
     OutboxRow,
     PublishResult,
@@ -39,7 +38,7 @@ from relay.model import (
     Unpublishable,
 )
 from relay.signals import Shutdown, Stop
-from relay.waves import held_back, key_spans, waves
+from relay.waves import held_back, waves
 
 log = logging.getLogger("relay")
 
@@ -64,8 +63,8 @@ class Store(Protocol):
     def connect(self, lock_class: int, instance: int) -> None: ...
     def close(self) -> None: ...
     def reset(self) -> None: ...
-    def claim(self, limit: int, max_bytes: int, *, max_message_bytes: int = ...,
-              in_flight: Mapping[str, KeySpan] | None = None) -> list[OutboxRow]: ...
+    def claim(self, limit: int, max_bytes: int, *,
+              max_message_bytes: int = ...) -> list[OutboxRow]: ...
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
     def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]: ...
     def rollback(self) -> None: ...
@@ -120,8 +119,6 @@ class Ahead:
     # were checked against (a reconnect may bring another).
     built: tuple[list[Message], list[tuple[OutboxRow, str]]] | None = None
     frame_max: int = 0
-    # It holds rows of a key the batch in flight holds too: valid only if that batch commits.
-    follows: bool = False
 
 
 class Relay(Loop):
@@ -163,8 +160,6 @@ class Relay(Loop):
         self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
         self._batch_keyed = False  # the batch in flight has rows with an ordering key
         self._ahead_rows = settings.batch_size  # what the next claim ahead asks for
-        # The keys of the batch being published, which a claim made ahead may follow.
-        self._in_flight: dict[str, KeySpan] = {}
 
     @property
     def instance_name(self) -> str:
@@ -223,7 +218,6 @@ class Relay(Loop):
         if invalid:
             self.store.dead_letter_claimed(invalid)
         invalid.extend(oversized)
-        self._in_flight = key_spans(rows, (row for row, _ in invalid))
 
         # 2. PREPARE TRANSACTION: the claim is durable; the rows stay locked until the outcome.
         gid = self._next_gid()
@@ -267,17 +261,13 @@ class Relay(Loop):
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
                 self._log_dead_lettered(invalid, gid=gid)
-            else:
-                self._drop_followers()
             self.fault("after_commit")
         else:
-            self._drop_followers()
             refused = len(result.failed) + len(result.suspect)
             self._finish(gid, commit=False, size=len(rows), reason=str(result.transient or (
                 f"{refused} of {len(messages) + len(failed_early)} messages refused by the broker")))
             self._settle(result, gid=gid, published=sent,
                          message_ids={row.id: row.message_id for row in rows})
-        self._in_flight = {}
         self.metrics.batch_duration.observe(time.monotonic() - started)
         self.metrics.batch_size.observe(len(rows))
         if self._ahead is not None and self._ahead.error is not None:
@@ -343,7 +333,7 @@ class Relay(Loop):
         if budget <= 0:
             return
         try:
-            rows = self._claim(budget, self._ahead_rows, in_flight=self._in_flight)
+            rows = self._claim(budget, self._ahead_rows)
             if not rows:
                 if self._batch_keyed:
                     self._ahead_rows = max(1, self.settings.batch_size // AHEAD_RESTART_SHARE)
@@ -363,25 +353,12 @@ class Relay(Loop):
             # batch in flight; the next batch builds its rows again before its PREPARE, and
             # raises there.
             built = None
-        follows = any(row.ordering_key in self._in_flight for row in rows)
-        self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max,
-                            follows=follows)
+        self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max)
 
-    def _drop_followers(self) -> None:
-        """The batch in flight did not commit (or not by us): a claim made ahead that took
-        later rows of its keys is rolled back before they could overtake its rows, which come
-        back to the outbox (the next claim takes them again, in order)."""
-        if self._ahead is not None and self._ahead.follows:
-            self._ahead = None
-            self.store.rollback()
-            log.debug("claim made ahead rolled back: it follows keys of a batch not committed",
-                      extra={"action": "claim_ahead_dropped"})
-
-    def _claim(self, max_bytes: int, limit: int | None = None,
-               in_flight: Mapping[str, KeySpan] | None = None) -> list[OutboxRow]:
+    def _claim(self, max_bytes: int, limit: int | None = None) -> list[OutboxRow]:
         s = self.settings
         return self.store.claim(limit or s.batch_size, max_bytes,
-                                max_message_bytes=s.max_message_bytes, in_flight=in_flight)
+                                max_message_bytes=s.max_message_bytes)
 
     def _ledger_missing(self, exc: LedgerMissing) -> None:
         """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it

@@ -13,7 +13,6 @@ from psycopg import sql
 from devenv import checker
 from relay.dead_letter import requeue
 from relay.errors import StartupCheckError
-from relay.model import KeySpan
 from relay.queries import Tables
 from relay.store import OutboxStore, blocked_keys
 from tests.conftest import Env
@@ -61,35 +60,6 @@ def test_a_key_in_a_prepared_batch_waits_for_it_while_other_keys_flow(
         assert first.finish(f"{env.gid_prefix}:order:1", commit=True)
         assert claimed(second) == [(a2, "a"), (b1, "b"), (a3, "a"), (b2, "b"), (free, None)]
         second.rollback()
-
-
-def test_a_claim_made_ahead_follows_the_keys_of_its_own_batch_in_flight_only(
-        env: Env, stores: list[OutboxStore]) -> None:
-    """The claim made while a batch is published may take the next rows of that batch's keys
-    (they go out once it commits): only when the key's older rows are exactly that batch's."""
-    relay, _ = stores
-    gid = f"{env.gid_prefix}:order:ahead"
-    with env.connect() as conn, env.connect() as other:
-        a1, b1, c1, e1, a2, b2, c2, e2, e3, d1 = insert(
-            conn, env.table, ["a", "b", "c", "e", "a", "b", "c", "e", "e", "d"])
-        assert [r.id for r in relay.claim(4, BUDGET)] == [a1, b1, c1, e1]
-        relay.prepare(gid)
-        spans = {"a": KeySpan(a1, a1, 1), "b": KeySpan(b1, b1, 1), "e": KeySpan(e1, e1, 1),
-                 "c": KeySpan(c1, c1, 2)}  # c: not what the batch holds
-        # e2 is held by someone else (a claim of another relay, say): e3 must wait for it.
-        other.execute("BEGIN")
-        other.execute(sql.SQL("SELECT FROM {} WHERE id = %s FOR UPDATE").format(
-            Tables(env.table).outbox), (e2,))
-        assert [r.id for r in relay.claim(100, BUDGET, in_flight=spans)] == [a2, b2, d1]
-        relay.rollback()
-        # Without the spans (or with another relay's batch in flight): every key waits.
-        assert claimed(relay) == [(d1, "d")]
-        relay.rollback()
-        other.rollback()
-        assert relay.finish(gid, commit=True)
-        assert claimed(relay) == [(a2, "a"), (b2, "b"), (c2, "c"), (e2, "e"), (e3, "e"),
-                                  (d1, "d")]
-        relay.rollback()
 
 
 def test_two_relays_racing_for_one_key_never_split_it(

@@ -39,7 +39,6 @@ from relay.errors import DatabaseError, TransientError
 from relay.model import (
     Failure,
     HorizonHolder,
-    KeySpan,
     Message,
     OutboxRow,
     PreparedXact,
@@ -252,14 +251,13 @@ class FakeStore(_Scripted):
         if self.is_connected:
             self._abort_open()
 
-    def claim(self, limit: int, max_bytes: int = 1 << 60, *, max_message_bytes: int = 1 << 60,
-              in_flight: Mapping[str, KeySpan] | None = None) -> list[OutboxRow]:
+    def claim(self, limit: int, max_bytes: int = 1 << 60, *,
+              max_message_bytes: int = 1 << 60) -> list[OutboxRow]:
         fault = self._enter("claim", "claim", limit=limit, max_bytes=max_bytes)
-        spans = dict(in_flight or {})
         if self.open is not None:
             raise ProtocolViolation("claim (BEGIN) inside an open transaction")
         due = [r for r in self.rows.values() if r.available_at <= self.now]
-        retry = sorted((r for r in due if r.attempts > 0 and self._in_order(r, [], {})),
+        retry = sorted((r for r in due if r.attempts > 0 and self._in_order(r, [])),
                        key=lambda r: (r.available_at, r.id))
         if self.retry_alone and retry:
             taken = retry[:1]
@@ -270,7 +268,7 @@ class FakeStore(_Scripted):
             for row in sorted(pool, key=lambda r: r.id):
                 if len(taken) >= limit:
                     break
-                if not self._in_order(row, taken, spans):
+                if not self._in_order(row, taken):
                     continue  # its key waits for an older row (per-key order)
                 size = row.claimed().row_bytes
                 if taken and total + size > max_bytes:
@@ -281,12 +279,9 @@ class FakeStore(_Scripted):
         self._raise(fault)
         return [r.claimed() for r in taken]
 
-    def _in_order(self, row: StoredRow, taken: list[StoredRow],
-                  in_flight: Mapping[str, KeySpan]) -> bool:
+    def _in_order(self, row: StoredRow, taken: list[StoredRow]) -> bool:
         """Per-key order, as the real claim keeps it: every older row of the key is gone or
-        taken by this claim (rows of prepared batches are still there), or is one of the
-        ``in_flight`` batch's rows of the key (all of them, and older than this claim's), and
-        no dead letter."""
+        taken by this claim (rows of prepared batches are still there), and no dead letter."""
         key = row.ordering_key
         if key is None:
             return True
@@ -294,17 +289,8 @@ class FakeStore(_Scripted):
             return False
         mine = {r.id for r in taken}
         prepared = [r for txn in self.prepared.values() for r in txn.claimed.values()]
-        older = sorted((other for other in [*self.rows.values(), *prepared]
-                        if other.ordering_key == key and other.id < row.id
-                        and other.id not in mine), key=lambda r: r.id)
-        span = in_flight.get(key)
-        if not older or span is None:
-            return not older
-        head, first_mine = older[0], min([row.id, *(r.id for r in taken if r.ordering_key == key)])
-        # The real claim steps over a key whose head failed before or is not due (a retry).
-        return (head.id == span.first and head.attempts <= 0 and head.available_at <= self.now
-                and span.last < first_mine and len(older) == span.count
-                and {r.id for r in older} <= {r.id for r in prepared})
+        return all(other.id in mine for other in [*self.rows.values(), *prepared]
+                   if other.ordering_key == key and other.id < row.id)
 
     def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]:
         fault = self._enter("dead_letter_rows", "dead_letter_rows", reasons=dict(reasons))

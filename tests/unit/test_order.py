@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
-from relay.model import KeySpan, Message, OutboxRow
-from relay.waves import held_back, key_spans, waves
+from relay.model import Message, OutboxRow
+from relay.waves import held_back, waves
 from tests.unit.fakes import Outcome
 from tests.unit.test_worker import Rig, make_rig
 
@@ -139,58 +137,3 @@ def test_a_row_whose_exchange_is_missing_holds_back_its_key(monkeypatch: pytest.
     assert rig.publisher.published == []
     assert rig.store.rows[first].attempts == 1 and rig.store.rows[later].attempts == 0
     assert rig.row_failures("exchange_not_found") == 1
-
-
-def test_key_spans_leave_out_the_keys_of_stopped_rows() -> None:
-    rows = [row(4, "a"), row(1, "a"), row(2, "b"), row(3, None), row(6, "a"), row(5, "c")]
-    assert key_spans(rows, [row(5, "c")]) == {"a": KeySpan(1, 6, 3), "b": KeySpan(2, 2, 1)}
-
-
-def test_the_claim_made_ahead_takes_the_next_rows_of_the_keys_in_flight(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    rig = make_rig(monkeypatch, batch_size=2)
-    a1, b1, a2, b2, a3 = (rig.store.add(ordering_key=key) for key in "ababa")
-
-    rig.relay.run_batch()  # a1, b1; a2 and b2 are claimed ahead, behind them
-    assert [r.id for r in rig.relay.claimed_ahead] == [a2, b2]
-    rig.relay.run_batch()
-    rig.relay.run_batch()
-
-    assert rig.publisher.published_ids() == [a1, b1, a2, b2, a3]
-    assert rig.batches("committed") == 3 and rig.store.rows == {}
-
-
-def test_a_batch_that_does_not_commit_takes_back_the_claim_that_follows_its_keys(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    rig = make_rig(monkeypatch, batch_size=2)
-    a1, b1, a2, c1 = (rig.store.add(ordering_key=key) for key in "abac")
-    rig.publisher.script(a1, Outcome.RETURN, times=1)
-    rig.store.now = 0.0
-
-    with caplog.at_level(logging.DEBUG, logger="relay"):
-        rig.relay.run_batch()  # a2 and c1 claimed ahead; a1 returned: the batch rolls back
-
-    assert "claim_ahead_dropped" in [getattr(r, "action", None) for r in caplog.records]
-    assert rig.relay.claimed_ahead == [] and rig.store.open is None
-    assert sorted(rig.store.rows) == [a1, a2, c1] and rig.store.rows[a1].attempts == 1
-    rig.store.rows[a1].available_at = 0.0  # its retry is due
-    while rig.store.rows or rig.relay.claimed_ahead:
-        rig.relay.run_batch()
-    published = rig.publisher.published_ids()
-    assert published[:2] == [a1, b1] and sorted(published[2:]) == [a1, a2, c1]
-    assert published.index(a2) > published.index(a1, 2)  # a2 only after a1 went out again
-
-
-def test_a_key_dead_lettered_by_the_batch_in_flight_is_not_followed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    rig = make_rig(monkeypatch, batch_size=2)
-    b1 = rig.store.add(ordering_key="b")
-    bad = rig.store.add(ordering_key="a", headers=["not", "an", "object"])
-    a2, c1 = rig.store.add(ordering_key="a"), rig.store.add(ordering_key="c")
-
-    rig.relay.run_batch()  # b1 published, bad dead-lettered; the claim ahead leaves a2
-
-    assert [r.id for r in rig.relay.claimed_ahead] == [c1]
-    assert bad in rig.store.dead_letter and list(rig.store.rows) == [a2]
-    rig.relay.run_batch()
-    assert rig.publisher.published_ids() == [b1, c1] and list(rig.store.rows) == [a2]

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from benchmarks.workload import say
+from benchmarks.workload import say, write_results
 from devenv.servers import PostgresServer
 from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER, to_message
 from relay.migrate import migrate
@@ -189,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows, "batch": args.batch, "keys": args.keys,
         "build": build(min(args.rows, 2_000), args.keys),
         "claim": claim(args.rows, args.batch, args.keys)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    say(f"wrote {args.out}")
+    write_results(args.out, results)
     return 0
 
 

@@ -7,11 +7,13 @@ topic exchange bound to one durable classic queue, the sink (or to several, by r
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -250,3 +252,10 @@ def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
 def say(text: str) -> None:
     """A progress line on stderr (the results go to stdout and the JSON file)."""
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """A command's results as indented JSON at ``path`` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    say(f"wrote {path}")

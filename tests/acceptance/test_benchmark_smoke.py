@@ -87,9 +87,9 @@ def test_the_long_scenarios_run_in_their_short_form(tmp_path: Path) -> None:
 
 def test_the_keys_scenario_runs_in_its_short_form(tmp_path: Path) -> None:
     """--keys at --smoke sizes, 50 keys at random distances (every batch holds every key: the
-    rows held back behind a batch in flight): each run checks its events exactly once and in
-    order per key (else the command fails), and every label has its figures; the rates prove
-    nothing at this size."""
+    rows held back behind a batch in flight): each run checks its events exactly once, each
+    keyed run in order per key too (else the command fails), and every label has its figures;
+    the rates prove nothing at this size."""
     out = tmp_path / "keys.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--keys", "50", "--shuffled-keys",

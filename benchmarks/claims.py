@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=10_000,
                         help="distinct ordering keys (0: rows without a key)")
     parser.add_argument("--shuffled-keys", action="store_true",
-                        help="event n's key is a hash of n mod K (else n mod K)")
+                        help="event n's key is hash(n) mod K, at random distances (else n mod K)")
     parser.add_argument("--relays", type=int, default=4, help="relays claiming in turn")
     parser.add_argument("--out", type=Path, default=Path("results/claims.json"))
     args = parser.parse_args(argv)

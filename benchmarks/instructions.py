@@ -2,7 +2,7 @@
 the machine does. On a shared 2-core machine a rate moves by a third from one minute to the
 next, and a change worth a few per cent shows only here.
 
-    python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--out JSON]
+    python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys] [--out JSON]
 
 - build: ``relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but the two headers a keyed message gets written in the headers column), in one Python
@@ -90,16 +90,17 @@ def build(rows: int, keys: int) -> dict[str, int]:
     return per_row
 
 
-def _fill(url: str, tables: Tables, rows: int, keys: int) -> None:
+def _fill(url: str, tables: Tables, rows: int, keys: int, shuffled: bool = False) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("TRUNCATE {}").format(tables.outbox))
         conn.execute(sql.SQL(
             "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
             "SELECT 'bench-' || n, 'bench.events', 'bench.0', "
-            "CASE WHEN %(keys)s > 0 THEN 'k' || (n %% greatest(%(keys)s, 1)) END, "
+            "CASE WHEN %(keys)s > 0 THEN 'k' || ((CASE WHEN %(shuffled)s "
+            "THEN hashint8(n)::bigint + 2147483648 ELSE n END) %% greatest(%(keys)s, 1)) END, "
             "jsonb_build_object('key', 'k1', 'seq', n, 'pad', repeat('x', 210)) "
             "FROM generate_series(1, %(rows)s) AS n").format(tables.outbox),
-            {"keys": keys, "rows": rows})
+            {"keys": keys, "rows": rows, "shuffled": shuffled})
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(tables.outbox))
 
 
@@ -132,8 +133,9 @@ def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: i
     return _backend_total(server, pid)
 
 
-def claim(rows: int, batch: int, keys: int) -> dict[str, int]:
-    """Instructions per claimed row of the claim, without keys and with ``keys`` keys."""
+def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str, int]:
+    """Instructions per claimed row of the claim, without keys and with ``keys`` keys (at
+    random distances when ``shuffled``, as benchmarks.workload's --shuffled-keys)."""
     server = PostgresServer(wrapper=[
         "valgrind", "--tool=callgrind", "--trace-children=no",
         "--callgrind-out-file={dir}/callgrind.%p"], extra_conf={"autovacuum": "off"})
@@ -145,7 +147,7 @@ def claim(rows: int, batch: int, keys: int) -> dict[str, int]:
         base = _claim_session(server, tables, batch, 1)
         per_row = {}
         for shape, count in (("none", 0), ("keys", keys)):
-            _fill(server.url, tables, rows, count)
+            _fill(server.url, tables, rows, count, shuffled)
             total = _claim_session(server, tables, batch, rows // batch)
             per_row[shape] = round((total - base) / (rows // batch * batch))
             say(f"claim, {shape}: {per_row[shape]:,} instructions a row")
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=20_000, help="rows claimed, and built")
     parser.add_argument("--batch", type=int, default=2_000, help="rows a claim asks for")
     parser.add_argument("--keys", type=int, default=10_000, help="distinct ordering keys")
+    parser.add_argument("--shuffled-keys", action="store_true",
+                        help="row n's key is hash(n) mod K, at random distances (else n mod K)")
     parser.add_argument("--out", type=Path, default=Path("results/instructions.json"))
     parser.add_argument("--child-build", choices=SHAPES, help=argparse.SUPPRESS)
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
@@ -187,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.instructions", *(argv or sys.argv[1:])]),
         "rows": args.rows, "batch": args.batch, "keys": args.keys,
+        "shuffled_keys": args.shuffled_keys,
         "build": build(min(args.rows, 2_000), args.keys),
-        "claim": claim(args.rows, args.batch, args.keys)}
+        "claim": claim(args.rows, args.batch, args.keys, args.shuffled_keys)}
     write_results(args.out, results)
     return 0
 

@@ -16,12 +16,12 @@ def test_instructions_smoke(tmp_path: Path) -> None:
     out = tmp_path / "instructions.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.instructions", "--rows", "400", "--batch", "200",
-         "--keys", "100", "--out", str(out)],
+         "--keys", "100", "--shuffled-keys", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     counted = json.loads(out.read_text())
     assert set(counted["build"]) == {"none", "keys", "headers"}
-    assert set(counted["claim"]) == {"none", "keys"}
+    assert set(counted["claim"]) == {"none", "keys"} and counted["shuffled_keys"] is True
     # Counts, not timings: a keyed row is more work than a keyless one, in both places.
     assert 0 < counted["build"]["none"] < counted["build"]["keys"]
     assert 0 < counted["claim"]["none"] < counted["claim"]["keys"]

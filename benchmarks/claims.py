@@ -16,7 +16,6 @@ not depend on the machine; the CPU does (a ratio within one run only).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import psycopg
 
 from benchmarks.__main__ import code_version
+from benchmarks.cpu import CpuMeter
 from benchmarks.workload import insert_events, say, write_results
 from devenv.servers import PostgresServer
 from relay.migrate import migrate
@@ -32,14 +32,6 @@ from relay.store import OutboxStore
 
 BATCH = 2_000
 UNLIMITED_BYTES = 1 << 40
-
-
-def _backend_cpu(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _fill(url: str, rows: int, keys: int, shuffled: bool) -> None:
@@ -59,7 +51,8 @@ def drain(url: str, relays: int) -> dict[str, Any]:
     try:
         pids = [int(store.claim_conn.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
                 for store in stores]
-        started = _backend_cpu(pids)
+        meter = CpuMeter({"claims": lambda: pids})
+        meter.start()
         in_flight: list[str | None] = [None] * relays
         sizes: list[int] = []
         empty = 0
@@ -86,7 +79,7 @@ def drain(url: str, relays: int) -> dict[str, Any]:
         return {"claims": len(sizes), "empty_claims": empty,
                 "rows_a_claim_median": statistics.median(steady),
                 "rows_a_claim_mean": round(statistics.mean(steady)),
-                "claim_cpu_s": round(_backend_cpu(pids) - started, 2)}
+                "claim_cpu_s": round(meter.stop()["claims"], 2)}
     finally:
         for store in stores:
             store.close()

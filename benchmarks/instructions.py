@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from benchmarks.workload import say, write_results
+from benchmarks.workload import KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER, to_message
 from relay.migrate import migrate
@@ -95,9 +95,7 @@ def _fill(url: str, tables: Tables, rows: int, keys: int, shuffled: bool = False
         conn.execute(sql.SQL("TRUNCATE {}").format(tables.outbox))
         conn.execute(sql.SQL(
             "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
-            "SELECT 'bench-' || n, 'bench.events', 'bench.0', "
-            "CASE WHEN %(keys)s > 0 THEN 'k' || ((CASE WHEN %(shuffled)s "
-            "THEN hashint8(n)::bigint + 2147483648 ELSE n END) %% greatest(%(keys)s, 1)) END, "
+            "SELECT 'bench-' || n, 'bench.events', 'bench.0', " + KEY_SQL + ", "
             "jsonb_build_object('key', 'k1', 'seq', n, 'pad', repeat('x', 210)) "
             "FROM generate_series(1, %(rows)s) AS n").format(tables.outbox),
             {"keys": keys, "rows": rows, "shuffled": shuffled})

@@ -37,6 +37,12 @@ CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
 # key is 'k<hash(n) % keys>' instead, a key's events at random distances, as an aggregate's are.
 # With key_headers, a row without a key carries the headers the relay adds to a keyed row's
 # message (x-ordering-key, x-outbox-id): what those headers cost apart from the order.
+# KEY_SQL is that key as SQL over n (with %(keys)s and %(shuffled)s), also for the benchmarks
+# that insert rows of their own (benchmarks/instructions.py).
+KEY_SQL = ("CASE WHEN %(keys)s > 0 THEN 'k' || ("
+           "CASE WHEN %(shuffled)s THEN hashint8(n)::bigint + 2147483648 ELSE n END "
+           "%% greatest(%(keys)s, 1)) END")
+
 _INSERT = sql.SQL(
     "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload, headers) "
     "SELECT %(prefix)s || '-' || n, %(exchange)s, %(routing)s || (n %% %(queues)s), key, "
@@ -44,10 +50,7 @@ _INSERT = sql.SQL(
     "CASE WHEN %(key_headers)s THEN jsonb_build_object("
     "'x-ordering-key', 'k' || (n %% 10000), 'x-outbox-id', n) ELSE '{{}}' END "
     "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS n, "
-    "LATERAL (SELECT CASE WHEN %(keys)s > 0 THEN 'k' || ("
-    "CASE WHEN %(shuffled)s THEN hashint8(n)::bigint + 2147483648 ELSE n END "
-    "%% greatest(%(keys)s, 1)) END AS key) "
-    "AS k"
+    "LATERAL (SELECT " + KEY_SQL + " AS key) AS k"
 ).format(sql.Identifier(TABLE))
 
 

@@ -6,9 +6,9 @@ a claim asks for it takes, and what the claims cost PostgreSQL.
 R stores (each a relay's two sessions) drain N rows of the benchmark's workload in turn, each
 claiming its next batch of 2,000 while its own batch and the other relays' are prepared, as a
 relay claims ahead while the broker confirms (a claim made ahead is an open transaction, not a
-prepared one: the same rows are held). A claim returns fewer rows than it asks for when it
-locks rows it must leave: the rows of a key whose oldest row another batch in flight holds
-(relay/queries.sql). Counted: claims, rows a claim over the first three quarters (the steady
+prepared one: the same rows are held). A claim returns fewer rows than it asks for when the
+rows it may take run out within its look (three batches past the rows in flight): the others
+are rows of keys whose oldest row a batch in flight holds (relay/queries.sql). Counted: claims, rows a claim over the first three quarters (the steady
 part, before the outbox runs dry), and the CPU of the claim sessions' backends. A count does
 not depend on the machine; the CPU does (a ratio within one run only).
 """

@@ -26,20 +26,22 @@
 -- - Each ARRAY(SELECT ...) is an InitPlan: run once, at most once, never rescanned per row.
 --   (`id IN (SELECT ... FROM cte)` let the planner build a nested loop that rescanned the CTE
 --   for every outbox row: 50,000 x 2,000 tuple copies, seconds per claim.) The budget's
---   window functions run over the locked rows, inside the InitPlan. k is named before w:
---   PostgreSQL then computes w first and k last, the rows leave that level sorted by key, and
---   the next level's window over k sorts nothing (two sorts of the batch instead of three:
---   counted by callgrind, 2,000 instructions less per keyed row, 1,000 per row without a key).
+--   window functions run over the locked rows, inside the InitPlan. The rows come locked in
+--   id order, so the window over w sorts nothing, and k is named before w: PostgreSQL then
+--   computes w first and k last, the rows leave that level sorted by key, and the next
+--   level's window over k sorts nothing either. One sort of the batch, by key.
 -- - The claim session never prepares it server-side (store.py: no generic plan cached while
 --   the table looked empty) and plans with sequential scans off: even a plan made for an
 --   empty table walks the primary key in id order and stops after the batch (the retry
---   branch walks outbox_retry_idx), and the DELETE finds its rows by primary key. A
---   sequential scan would read the whole table per claim, and test each row against the
---   whole id array.
+--   branch walks outbox_retry_idx). The DELETE finds its rows by ctid, a TID scan: the
+--   ctids of the row versions this statement locked, which no one else can change or
+--   remove before it ends. A sequential scan would read the whole table per claim, and test
+--   each row against the whole array.
 -- - The CTE of the deleted rows is read twice (for the oversized rows and by the final
 --   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
---   each a scan of the batch. The one join is the LATERAL read of each keyed row's key head
---   (below): a nested loop whose inner side is one probe of outbox_key_idx per row.
+--   each a scan of the batch. The two joins are LATERAL, nested loops whose inner side is
+--   one probe per row: the read of each keyed row's key head (one probe of outbox_key_idx,
+--   below), and the lock of each chosen row (one fetch by ctid, below).
 -- - Rows another transaction holds (a batch in flight, prepared or in doubt, or a claim
 --   made ahead) are stepped over before any per-key probe below: their xmax names a running
 --   transaction (one the snapshot lists, or one newer than the snapshot and older than the
@@ -51,6 +53,17 @@
 --   row whose locker finished after the snapshot waits for the next claim, and a multixact
 --   (share locks of other clients) read as a transaction id at worst has its row stepped over
 --   while an unrelated transaction of that number runs.
+-- Look, choose, lock. The claim looks at up to 3 x %(limit)s due rows in id order (past the
+-- rows held, above), each keyed one with its key's head; chooses the first %(limit)s whose
+-- key's head no running transaction holds (the head's xmax, the same hint as above); and only
+-- then locks those, one by one by ctid, skipping any locked since (LATERAL ... FOR UPDATE
+-- SKIP LOCKED). A row whose key's oldest row is in a batch in flight cannot be taken now.
+-- Locked anyway (the claim's first form), such rows took room in the batch and were dropped
+-- after: with 4 relays and 10,000 keys at random distances, half of every batch, twice
+-- the claims and PREPAREs (docs/performance.md). Stepped over without a bound, they
+-- made a claim with few keys, all held, read the whole backlog (measured: 53 ms a claim over
+-- 50,000 rows); the look stops at three batches instead, and rows beyond it wait for the
+-- next claim.
 -- What a claim still reads beyond its batch: due rows are found in id order, so rows that
 -- are not due (a producer's future available_at, rows waiting for a retry, rows of a key held
 -- back, below) and dead index entries that VACUUM may not remove yet (a long snapshot
@@ -63,24 +76,23 @@
 -- visible here, so the next rows of its key wait until that batch is finished. The key's
 -- oldest row (its head) is read once per keyed row, by a LATERAL join (one probe of
 -- outbox_key_idx; the planner may memoize it per key, so with few keys a batch reads each
--- head once), and both checks use it: the statement reads every row in one snapshot, so the
--- head read before locking is the head after. Two checks:
--- - while locking: the head is fresh and due (this row, or an older one), and the key has no
+-- head once), and every check uses it: the statement reads every row in one snapshot, so
+-- the head read before locking is the head after. Three checks:
+-- - while looking: the head is fresh and due (this row, or an older one), and the key has no
 --   dead letter (one probe of the dead-letter key index per row, made only when some dead
 --   letter has a key at all: one read per claim). A key held back by a retry or a dead
---   letter is stepped over, never locked, so it cannot fill the batch and starve the other
---   keys, however long it stays held. A key held back by a batch in flight (or in doubt)
---   passes this check: its rows are locked and then dropped below, taking room in this
---   batch; that lasts as long as the batch (milliseconds; in doubt, until the resolver
---   finishes it). Testing the head's lock here instead (SKIP LOCKED on it) was tried: a
---   claim then stepped over every row of such keys, the whole backlog with few keys, seconds
---   per claim (measured).
+--   letter is stepped over and not counted in the look, so it cannot fill the batch or the
+--   look and starve the other keys, however long it stays held.
+-- - while choosing: the head is not held (above). A key held back by a batch in flight (or in
+--   doubt) counts in the look: that lasts as long as the batch (milliseconds; in doubt, until
+--   the resolver finishes it), and with more of its rows than the look ahead of every other
+--   key, claims come back empty until then, as they came back full of dropped rows before.
 -- - once locked: the head is our first row of the key, and the key's rows from our first to
 --   our last are all ours (else only our first row of it is taken; one count per key with
 --   several rows in the batch, on its first row, spread over the key's rows by a window).
 --   Rows of a key held back here stay locked, unclaimed, until this batch ends.
 -- Each probe walks outbox_key_idx from the key's oldest row: linear in the key's rows in the
--- batch, never a read of the table. Rows without a key skip both checks (the OR stops at
+-- batch, never a read of the table. Rows without a key skip these checks (the OR stops at
 -- ordering_key IS NULL; the head's read is gated on a key, so it reads nothing for them).
 WITH live AS MATERIALIZED (
     -- The transactions running at this statement's snapshot: those it lists, and those that
@@ -92,8 +104,8 @@ WITH live AS MATERIALIZED (
     FROM pg_current_snapshot() AS s
 ), claimed AS (
     DELETE FROM {outbox}
-    WHERE id = ANY(coalesce(
-        nullif(ARRAY(SELECT id FROM {outbox} AS o
+    WHERE ctid = ANY(coalesce(
+        nullif(ARRAY(SELECT ctid FROM {outbox} AS o
                      WHERE attempts > 0 AND available_at <= now()
                        AND (ordering_key IS NULL
                             OR ((SELECT h.id FROM {outbox} AS h
@@ -104,8 +116,8 @@ WITH live AS MATERIALIZED (
                      ORDER BY available_at
                      LIMIT 1
                      FOR UPDATE SKIP LOCKED), '{{}}'),
-        ARRAY(SELECT id
-              FROM (SELECT id, ordering_key, n, taken, first_of_key, head_id,
+        ARRAY(SELECT tid
+              FROM (SELECT id, tid, ordering_key, n, taken, first_of_key, head_id,
                            bool_or(gapless) OVER k AS gapless
                     FROM (SELECT *,
                                  CASE WHEN ordering_key IS NOT NULL AND id = first_of_key
@@ -115,38 +127,52 @@ WITH live AS MATERIALIZED (
                                         AND h.id BETWEEN keyed.first_of_key AND keyed.last_of_key)
                                      = key_rows
                                  END AS gapless
-                          FROM (SELECT id, ordering_key, head_id,
+                          FROM (SELECT id, tid, ordering_key, head_id,
                                        row_number() OVER w AS n,
                                        sum(CASE WHEN row_bytes > %(max_row_bytes)s THEN 0
                                                 ELSE row_bytes END) OVER w AS taken,
                                        min(id) OVER k AS first_of_key,
                                        max(id) OVER k AS last_of_key,
                                        count(*) OVER k AS key_rows
-                                FROM (SELECT o.id, o.row_bytes, o.ordering_key, head.id AS head_id
-                                      FROM {outbox} AS o
-                                      LEFT JOIN LATERAL (
-                                          SELECT h.id, h.attempts, h.available_at
-                                          FROM {outbox} AS h
-                                          WHERE o.ordering_key IS NOT NULL
-                                            AND h.ordering_key = o.ordering_key
-                                          ORDER BY h.ordering_key, h.id LIMIT 1) AS head ON true
-                                      WHERE o.attempts <= 0 AND o.available_at <= now()
-                                        AND (o.xmax = '0'::xid
-                                             OR NOT (o.xmax = ANY((SELECT xids FROM live)::xid[])
-                                                     OR age(o.xmax) BETWEEN 1
-                                                                    AND (SELECT lag FROM live)))
-                                        AND (o.ordering_key IS NULL
-                                             OR (head.attempts <= 0
-                                                 AND head.available_at <= now()
-                                                 AND ((SELECT NOT EXISTS (
-                                                          SELECT FROM {dead_letter}
-                                                          WHERE ordering_key IS NOT NULL))
-                                                      OR NOT EXISTS (
-                                                          SELECT FROM {dead_letter} AS d
-                                                          WHERE d.ordering_key = o.ordering_key))))
-                                      ORDER BY o.id
-                                      LIMIT %(limit)s
-                                      FOR UPDATE OF o SKIP LOCKED) AS locked
+                                FROM (SELECT c.id, c.tid, l.row_bytes, l.ordering_key, c.head_id
+                                      FROM (SELECT id, tid, head_id
+                                            FROM (SELECT o.id, o.ctid AS tid, o.ordering_key,
+                                                         head.id AS head_id, head.xmax AS head_xmax
+                                                  FROM {outbox} AS o
+                                                  LEFT JOIN LATERAL (
+                                                      SELECT h.id, h.attempts, h.available_at, h.xmax
+                                                      FROM {outbox} AS h
+                                                      WHERE o.ordering_key IS NOT NULL
+                                                        AND h.ordering_key = o.ordering_key
+                                                      ORDER BY h.ordering_key, h.id LIMIT 1) AS head
+                                                      ON true
+                                                  WHERE o.attempts <= 0 AND o.available_at <= now()
+                                                    AND (o.xmax = '0'::xid
+                                                         OR NOT (o.xmax = ANY((SELECT xids FROM live)::xid[])
+                                                                 OR age(o.xmax) BETWEEN 1
+                                                                                AND (SELECT lag FROM live)))
+                                                    AND (o.ordering_key IS NULL
+                                                         OR (head.attempts <= 0
+                                                             AND head.available_at <= now()
+                                                             AND ((SELECT NOT EXISTS (
+                                                                      SELECT FROM {dead_letter}
+                                                                      WHERE ordering_key IS NOT NULL))
+                                                                  OR NOT EXISTS (
+                                                                      SELECT FROM {dead_letter} AS d
+                                                                      WHERE d.ordering_key = o.ordering_key))))
+                                                  ORDER BY o.id
+                                                  LIMIT 3 * %(limit)s) AS seen
+                                            WHERE ordering_key IS NULL
+                                               OR head_xmax = '0'::xid
+                                               OR NOT (head_xmax = ANY((SELECT xids FROM live)::xid[])
+                                                       OR age(head_xmax) BETWEEN 1 AND (SELECT lag FROM live))
+                                            ORDER BY id
+                                            LIMIT %(limit)s) AS c
+                                      CROSS JOIN LATERAL (
+                                          SELECT o.row_bytes, o.ordering_key
+                                          FROM {outbox} AS o
+                                          WHERE o.ctid = c.tid AND o.id = c.id
+                                          FOR UPDATE SKIP LOCKED) AS l) AS locked
                                 WINDOW k AS (PARTITION BY ordering_key), w AS (ORDER BY id))
                                AS keyed) AS checked
                     WINDOW k AS (PARTITION BY ordering_key)) AS decided

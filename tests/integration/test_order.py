@@ -62,6 +62,38 @@ def test_a_key_in_a_prepared_batch_waits_for_it_while_other_keys_flow(
         second.rollback()
 
 
+def locked_by_others(conn: psycopg.Connection[Any], table: str) -> list[int]:
+    """The outbox rows some other transaction holds (locked, or deleted by a batch)."""
+    with conn.transaction(force_rollback=True):
+        free = {row[0] for row in conn.execute(sql.SQL(
+            "SELECT id FROM {} FOR UPDATE SKIP LOCKED").format(Tables(table).outbox))}
+        every = {row[0] for row in conn.execute(sql.SQL("SELECT id FROM {}").format(
+            Tables(table).outbox))}
+    return sorted(every - free)
+
+
+def test_rows_behind_a_batch_in_flight_are_stepped_over_without_locking_them(
+        env: Env, stores: list[OutboxStore]) -> None:
+    first, second = stores
+    with env.connect() as conn:
+        held, *behind = insert(conn, env.table, ["a"] * 11)
+        others = insert(conn, env.table, [f"k{n}" for n in range(10)])
+        assert claimed(first, limit=1) == [(held, "a")]
+        first.prepare(f"{env.gid_prefix}:order:1")
+        # a's rows come first in id order, and wait for the prepared batch: the next claim
+        # takes a full batch of the other keys, and leaves a's rows unlocked.
+        assert [i for i, _ in claimed(second, limit=10)] == others
+        assert locked_by_others(conn, env.table) == [held, *others]
+        second.rollback()
+        # A claim looks at three times the rows it asks for, past the rows in flight: with
+        # more of a's rows than that ahead, it returns none rather than read the backlog.
+        assert claimed(second, limit=3) == []
+        second.rollback()
+        assert first.finish(f"{env.gid_prefix}:order:1", commit=True)
+        assert [i for i, _ in claimed(second, limit=3)] == behind[:3]
+        second.rollback()
+
+
 def test_two_relays_racing_for_one_key_never_split_it(
         env: Env, stores: list[OutboxStore]) -> None:
     first, second = stores

@@ -1,16 +1,21 @@
 """What each claim returns at the relays' steady state, without a broker: how many of the rows
 a claim asks for it takes, and what the claims cost PostgreSQL.
 
-    python -m benchmarks.claims [--rows N] [--keys K] [--shuffled-keys] [--relays R] [--out JSON]
+    python -m benchmarks.claims [--rows N] [--keys K] [--shuffled-keys] [--relays R] [--callgrind]
+                                [--out JSON]
 
 R stores (each a relay's two sessions) drain N rows of the benchmark's workload in turn, each
 claiming its next batch of 2,000 while its own batch and the other relays' are prepared, as a
 relay claims ahead while the broker confirms (a claim made ahead is an open transaction, not a
 prepared one: the same rows are held). A claim returns fewer rows than it asks for when the
 rows it may take run out within its look (three batches past the rows in flight): the others
-are rows of keys whose oldest row a batch in flight holds (relay/queries.sql). Counted: claims, rows a claim over the first three quarters (the steady
-part, before the outbox runs dry), and the CPU of the claim sessions' backends. A count does
-not depend on the machine; the CPU does (a ratio within one run only).
+are rows of keys whose oldest row a batch in flight holds (relay/queries.sql). Counted:
+claims, rows a claim over the first three quarters (the steady part, before the outbox runs
+dry), and the CPU of the claim sessions' backends. A count does
+not depend on the machine; the CPU does (a ratio within one run only). With --callgrind, the
+PostgreSQL runs under callgrind (about 50 times slower) and the claim sessions' backends'
+instructions are counted too, a row drained (PREPARE included): the work itself, the same count
+whatever else the machine does.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import psycopg
 
 from benchmarks.__main__ import code_version
 from benchmarks.cpu import CpuMeter
+from benchmarks.instructions import backend_total, callgrind_server, stop_callgrind_server
 from benchmarks.workload import insert_events, say, write_results
 from devenv.servers import PostgresServer
 from relay.migrate import migrate
@@ -43,8 +49,9 @@ def _fill(url: str, rows: int, keys: int, shuffled: bool) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def drain(url: str, relays: int) -> dict[str, Any]:
-    """The relays drain the outbox in turn; what their claims returned and cost."""
+def drain(url: str, relays: int) -> tuple[dict[str, Any], list[int]]:
+    """The relays drain the outbox in turn; what their claims returned and cost, and the claim
+    sessions' backend pids."""
     stores = [OutboxStore(url, "outbox") for _ in range(relays)]
     for n, store in enumerate(stores):
         store.connect(lock_class=7, instance=0x0C00 + n)
@@ -79,7 +86,7 @@ def drain(url: str, relays: int) -> dict[str, Any]:
         return {"claims": len(sizes), "empty_claims": empty,
                 "rows_a_claim_median": statistics.median(steady),
                 "rows_a_claim_mean": round(statistics.mean(steady)),
-                "claim_cpu_s": round(meter.stop()["claims"], 2)}
+                "claim_cpu_s": round(meter.stop()["claims"], 2)}, pids
     finally:
         for store in stores:
             store.close()
@@ -94,22 +101,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shuffled-keys", action="store_true",
                         help="event n's key is hash(n) mod K, at random distances (else n mod K)")
     parser.add_argument("--relays", type=int, default=4, help="relays claiming in turn")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="count the claim sessions' instructions a row (needs valgrind)")
     parser.add_argument("--out", type=Path, default=Path("results/claims.json"))
     args = parser.parse_args(argv)
     if args.rows < 1 or args.keys < 0 or args.relays < 1:
         parser.error("--rows and --relays must be at least 1, --keys at least 0")
-    with PostgresServer(max_prepared_transactions=2 * args.relays,
-                        extra_conf={"autovacuum": "off"}) as server:
+    settings: dict[str, Any] = {"max_prepared_transactions": 2 * args.relays,
+                                "extra_conf": {"autovacuum": "off"}}
+    server = callgrind_server(**settings) if args.callgrind else PostgresServer(**settings)
+    try:
+        server.start(timeout=180 if args.callgrind else 60)
         migrate(server.url, "outbox", timeout=60)
         _fill(server.url, args.rows, args.keys, args.shuffled_keys)
-        counted = drain(server.url, args.relays)
+        counted, pids = drain(server.url, args.relays)
+        if args.callgrind:  # the backends wrote their counts as their sessions closed
+            counted["claim_instructions_a_row"] = round(
+                sum(backend_total(server, pid) for pid in pids) / args.rows)
+    finally:
+        if args.callgrind:
+            stop_callgrind_server(server)
+        else:
+            server.cleanup()
     results = {"command": " ".join(["python -m benchmarks.claims", *(argv or sys.argv[1:])]),
                "code": code_version(), "rows": args.rows, "keys": args.keys,
                "shuffled_keys": args.shuffled_keys, "relays": args.relays, "batch": BATCH,
                **counted}
     say(f"{args.relays} relays, {args.keys:,} keys{' shuffled' if args.shuffled_keys else ''}: "
         f"{counted['claims']} claims, {counted['rows_a_claim_median']:,} rows a claim "
-        f"(median), claim sessions' CPU {counted['claim_cpu_s']} s")
+        f"(median), claim sessions' CPU {counted['claim_cpu_s']} s"
+        + (f", {counted['claim_instructions_a_row']:,} instructions a row" if args.callgrind
+           else ""))
     write_results(args.out, results)
     return 0
 

@@ -102,7 +102,7 @@ def _fill(url: str, tables: Tables, rows: int, keys: int, shuffled: bool = False
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(tables.outbox))
 
 
-def _backend_total(server: PostgresServer, pid: int, timeout: float = 300.0) -> int:
+def backend_total(server: PostgresServer, pid: int, timeout: float = 300.0) -> int:
     """The instructions of backend ``pid``, from the file callgrind writes when it exits."""
     assert server.directory is not None
     path = server.directory / f"callgrind.{pid}"
@@ -128,17 +128,29 @@ def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: i
             conn.execute("COMMIT")
             if claims > 1 and len(got) != batch:
                 raise RuntimeError(f"a claim returned {len(got)} rows, not {batch}")
-    return _backend_total(server, pid)
+    return backend_total(server, pid)
+
+
+def callgrind_server(**settings: Any) -> PostgresServer:
+    """A PostgreSQL whose every backend will run under callgrind (read with backend_total);
+    start it with a timeout of minutes, clean it up with stop_callgrind_server."""
+    return PostgresServer(wrapper=[
+        "valgrind", "--tool=callgrind", "--trace-children=no",
+        "--callgrind-out-file={dir}/callgrind.%p"], **settings)
+
+
+def stop_callgrind_server(server: PostgresServer) -> None:
+    directory = server.directory
+    server.cleanup()
+    _remove_late_files(directory)
 
 
 def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str, int]:
     """Instructions per claimed row of the claim, without keys and with ``keys`` keys (at
     random distances when ``shuffled``, as benchmarks.workload's --shuffled-keys)."""
-    server = PostgresServer(wrapper=[
-        "valgrind", "--tool=callgrind", "--trace-children=no",
-        "--callgrind-out-file={dir}/callgrind.%p"], extra_conf={"autovacuum": "off"})
-    server.start(timeout=180)
+    server = callgrind_server(extra_conf={"autovacuum": "off"})
     try:
+        server.start(timeout=180)
         tables = Tables("outbox")
         migrate(server.url, tables.name, timeout=60)
         _fill(server.url, tables, 0, 0)
@@ -151,9 +163,7 @@ def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str,
             say(f"claim, {shape}: {per_row[shape]:,} instructions a row")
         return per_row
     finally:
-        directory = server.directory
-        server.cleanup()
-        _remove_late_files(directory)
+        stop_callgrind_server(server)
 
 
 def _remove_late_files(directory: Path | None, quiet: float = 2.0, limit: float = 30.0) -> None:

@@ -48,9 +48,10 @@ log = logging.getLogger("relay")
 LOST_STREAK_LIMIT = 3
 
 # A claim made ahead that finds nothing while the batch in flight holds keyed rows was most
-# likely held back by key heads in flight (this batch's, or another relay's): it locked up to a
-# whole batch of rows only to leave them (relay/queries.sql). The next claim ahead asks for
-# this share of a batch, doubling back to a whole batch as its claims come back full.
+# likely held back by key heads in flight (this batch's, or another relay's): it read up to three
+# batches of rows and found none it could take (relay/queries.sql, the look), and the next one
+# would too while those batches last. The next claim ahead asks for this share of a batch (its
+# look shrinks with it), doubling back to a whole batch as its claims come back full.
 AHEAD_RESTART_SHARE = 8
 
 

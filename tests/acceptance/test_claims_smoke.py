@@ -33,3 +33,11 @@ def test_claims_smoke(tmp_path: Path) -> None:
     # rows behind them (it locked them and left them, half empty, before).
     assert keyed["rows_a_claim_median"] == 2000
     assert keyed["claim_cpu_s"] > 0
+
+
+def test_claims_callgrind_smoke(tmp_path: Path) -> None:
+    counted = claims(tmp_path, "--keys", "0", "--rows", "4000", "--callgrind")
+    assert counted["claims"] == 2
+    # The claim sessions' backends did the claims, and a count of them came back: a drained
+    # row costs PostgreSQL tens of thousands of instructions.
+    assert 10_000 < counted["claim_instructions_a_row"] < 1_000_000

@@ -135,7 +135,7 @@ WITH live AS MATERIALIZED (
                                        max(id) OVER k AS last_of_key,
                                        count(*) OVER k AS key_rows
                                 FROM (SELECT c.id, c.tid, l.row_bytes, l.ordering_key, c.head_id
-                                      FROM (SELECT id, tid, head_id
+                                      FROM (SELECT id, tid, ordering_key, head_id
                                             FROM (SELECT o.id, o.ctid AS tid, o.ordering_key,
                                                          head.id AS head_id, head.xmax AS head_xmax
                                                   FROM {outbox} AS o
@@ -169,9 +169,16 @@ WITH live AS MATERIALIZED (
                                             ORDER BY id
                                             LIMIT %(limit)s) AS c
                                       CROSS JOIN LATERAL (
+                                          -- A row changed since the snapshot (record_failures
+                                          -- after a failed batch, a producer's UPDATE) is
+                                          -- locked in its last version, and these conditions
+                                          -- are checked again on it: a row now waiting for
+                                          -- its retry, or of another key, is not taken.
                                           SELECT o.row_bytes, o.ordering_key
                                           FROM {outbox} AS o
                                           WHERE o.ctid = c.tid AND o.id = c.id
+                                            AND o.attempts <= 0 AND o.available_at <= now()
+                                            AND o.ordering_key IS NOT DISTINCT FROM c.ordering_key
                                           FOR UPDATE SKIP LOCKED) AS l) AS locked
                                 WINDOW k AS (PARTITION BY ordering_key), w AS (ORDER BY id))
                                AS keyed) AS checked

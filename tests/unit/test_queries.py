@@ -106,7 +106,12 @@ def test_claim_locks_without_waiting_and_deletes_what_it_claims() -> None:
     # branch locks the rows it chose, each by its ctid; its LATERAL read of each key's head
     # row locks nothing.
     assert text.count("FOR UPDATE SKIP LOCKED") == 2
-    assert "WHERE o.ctid = c.tid AND o.id = c.id\n" in text
+    # The lock checks again, on a row changed since the snapshot (its last version), that
+    # it is still fresh, due and of the same key: PostgreSQL rechecks these after following
+    # the update, where the look's checks are not run again.
+    lock = text[text.index("WHERE o.ctid = c.tid"):text.index("FOR UPDATE SKIP LOCKED) AS l")]
+    assert "o.attempts <= 0 AND o.available_at <= now()" in lock
+    assert "o.ordering_key IS NOT DISTINCT FROM c.ordering_key" in lock
     assert 'DELETE FROM "outbox"' in text
     assert "%(limit)s" in text
     assert "NOTIFY" not in text.upper()

@@ -11,11 +11,10 @@ prepared one: the same rows are held). A claim returns fewer rows than it asks f
 rows it may take run out within its look (three batches past the rows in flight): the others
 are rows of keys whose oldest row a batch in flight holds (relay/queries.sql). Counted:
 claims, rows a claim over the first three quarters (the steady part, before the outbox runs
-dry), and the CPU of the claim sessions' backends. A count does
-not depend on the machine; the CPU does (a ratio within one run only). With --callgrind, the
-PostgreSQL runs under callgrind (about 50 times slower) and the claim sessions' backends'
-instructions are counted too, a row drained (PREPARE included): the work itself, the same count
-whatever else the machine does.
+dry), and the CPU of the claim sessions' backends. A count does not depend on the machine; the
+CPU does (a ratio within one run only). With --callgrind, the PostgreSQL runs under callgrind
+(about 50 times slower) and the claim sessions' backends' instructions are counted too, a row
+drained (PREPARE included): the work itself, the same count whatever else the machine does.
 """
 
 from __future__ import annotations

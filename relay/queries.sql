@@ -34,8 +34,9 @@
 --   the table looked empty) and plans with sequential scans off: even a plan made for an
 --   empty table walks the primary key in id order and stops after the batch (the retry
 --   branch walks outbox_retry_idx). The DELETE finds its rows by ctid, a TID scan: the
---   ctids of the row versions this statement locked, which no one else can change or
---   remove before it ends. A sequential scan would read the whole table per claim, and test
+--   ctids of the row versions this statement locked (a row changed since the snapshot is
+--   locked in its last version, below), which no one else can change or remove before it
+--   ends. A sequential scan would read the whole table per claim, and test
 --   each row against the whole array.
 -- - The CTE of the deleted rows is read twice (for the oversized rows and by the final
 --   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
@@ -134,7 +135,7 @@ WITH live AS MATERIALIZED (
                                        min(id) OVER k AS first_of_key,
                                        max(id) OVER k AS last_of_key,
                                        count(*) OVER k AS key_rows
-                                FROM (SELECT c.id, c.tid, l.row_bytes, l.ordering_key, c.head_id
+                                FROM (SELECT c.id, l.tid, l.row_bytes, l.ordering_key, c.head_id
                                       FROM (SELECT id, tid, ordering_key, head_id
                                             FROM (SELECT o.id, o.ctid AS tid, o.ordering_key,
                                                          head.id AS head_id, head.xmax AS head_xmax
@@ -174,7 +175,7 @@ WITH live AS MATERIALIZED (
                                           -- locked in its last version, and these conditions
                                           -- are checked again on it: a row now waiting for
                                           -- its retry, or of another key, is not taken.
-                                          SELECT o.row_bytes, o.ordering_key
+                                          SELECT o.ctid AS tid, o.row_bytes, o.ordering_key
                                           FROM {outbox} AS o
                                           WHERE o.ctid = c.tid AND o.id = c.id
                                             AND o.attempts <= 0 AND o.available_at <= now()

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,8 +50,7 @@ from benchmarks import (
     soak,
     throughput,
 )
-from benchmarks.processes import ROOT
-from benchmarks.workload import Servers, declare_sink, say
+from benchmarks.workload import Servers, code_version, declare_sink, say
 from devenv.servers import PostgresServer, RabbitServer
 from relay.config import RelaySettings
 from relay.migrate import migrate
@@ -154,16 +152,6 @@ def machine(load: tuple[float, float, float]) -> dict[str, Any]:
     return {"summary": summary, "cores": os.cpu_count(), "cpu": cpu,
             "python": platform.python_version(), "kernel": platform.release(),
             "load_average_at_start": [round(x, 2) for x in load]}
-
-
-def code_version() -> str:
-    """The commit the run measured, marked dirty if the work tree had changes."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
-                              check=False).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _median_entry(runs: list[Any], python_cpu: str) -> dict[str, Any]:

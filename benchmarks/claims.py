@@ -27,10 +27,9 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.__main__ import code_version
+from benchmarks.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.cpu import CpuMeter
-from benchmarks.instructions import backend_total, callgrind_server, stop_callgrind_server
-from benchmarks.workload import insert_events, say, write_results
+from benchmarks.workload import code_version, insert_events, say, write_results
 from devenv.servers import PostgresServer
 from relay.migrate import migrate
 from relay.store import OutboxStore
@@ -118,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             counted["claim_instructions_a_row"] = round(
                 sum(backend_total(server, pid) for pid in pids) / args.rows)
     finally:
-        if args.callgrind:
-            stop_callgrind_server(server)
-        else:
-            server.cleanup()
+        stop_server(server)
     results = {"command": " ".join(["python -m benchmarks.claims", *(argv or sys.argv[1:])]),
                "code": code_version(), "rows": args.rows, "keys": args.keys,
                "shuffled_keys": args.shuffled_keys, "relays": args.relays, "batch": BATCH,

@@ -21,16 +21,15 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from benchmarks.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.workload import KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER, to_message
@@ -43,7 +42,6 @@ SHAPES = ("none", "keys", "headers")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
                 "max_row_bytes": (128 << 20) + 65536}
 _COLLECTED = re.compile(r"Collected : (\d+)")
-_TOTALS = re.compile(r"^(?:totals|summary): (\d+)", re.M)
 
 
 def _row(n: int, shape: str, keys: int) -> OutboxRow:
@@ -102,20 +100,6 @@ def _fill(url: str, tables: Tables, rows: int, keys: int, shuffled: bool = False
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(tables.outbox))
 
 
-def backend_total(server: PostgresServer, pid: int, timeout: float = 300.0) -> int:
-    """The instructions of backend ``pid``, from the file callgrind writes when it exits."""
-    assert server.directory is not None
-    path = server.directory / f"callgrind.{pid}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            found = _TOTALS.search(path.read_text(errors="replace"))
-            if found:
-                return int(found.group(1))
-        time.sleep(0.5)
-    raise RuntimeError(f"no callgrind output for backend {pid} in {path}")
-
-
 def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: int) -> int:
     """Instructions of one claim session's backend that claims ``claims`` batches."""
     claim = tables.query("claim")
@@ -129,20 +113,6 @@ def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: i
             if claims > 1 and len(got) != batch:
                 raise RuntimeError(f"a claim returned {len(got)} rows, not {batch}")
     return backend_total(server, pid)
-
-
-def callgrind_server(**settings: Any) -> PostgresServer:
-    """A PostgreSQL whose every backend will run under callgrind (read with backend_total);
-    start it with a timeout of minutes, clean it up with stop_callgrind_server."""
-    return PostgresServer(wrapper=[
-        "valgrind", "--tool=callgrind", "--trace-children=no",
-        "--callgrind-out-file={dir}/callgrind.%p"], **settings)
-
-
-def stop_callgrind_server(server: PostgresServer) -> None:
-    directory = server.directory
-    server.cleanup()
-    _remove_late_files(directory)
 
 
 def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str, int]:
@@ -163,20 +133,7 @@ def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str,
             say(f"claim, {shape}: {per_row[shape]:,} instructions a row")
         return per_row
     finally:
-        stop_callgrind_server(server)
-
-
-def _remove_late_files(directory: Path | None, quiet: float = 2.0, limit: float = 30.0) -> None:
-    """Server processes under callgrind write their files as they exit, after cleanup() has
-    emptied the directory: remove it again until it has stayed gone for ``quiet`` seconds."""
-    if directory is None:
-        return
-    deadline, gone_since = time.monotonic() + limit, time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - gone_since < quiet:
-        if directory.exists():
-            shutil.rmtree(directory, ignore_errors=True)
-            gone_since = time.monotonic()
-        time.sleep(0.2)
+        stop_server(server)
 
 
 def main(argv: list[str] | None = None) -> int:

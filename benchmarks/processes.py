@@ -23,7 +23,6 @@ from devenv import launch
 
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is its own
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Program:

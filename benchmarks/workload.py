@@ -8,6 +8,7 @@ topic exchange bound to one durable classic queue, the sink (or to several, by r
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ EXCHANGE = "bench.events"
 QUEUE = "bench.sink"
 ROUTING_PREFIX = "bench."  # event n is routed with "bench.<n % sink queues>"
 TABLE = "outbox"
+ROOT = Path(__file__).resolve().parent.parent
 # The payload's JSON text is pad + about 40 bytes: 250 bytes, like the ceiling's body below.
 PAD = 210
 CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
@@ -255,6 +257,16 @@ def burst(servers: Servers, depth: SinkDepth, prefix: str, events: int,
 def say(text: str) -> None:
     """A progress line on stderr (the results go to stdout and the JSON file)."""
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def code_version() -> str:
+    """The commit the run measured, marked dirty if the work tree had changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                              check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:

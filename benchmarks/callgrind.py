@@ -26,10 +26,12 @@ def callgrind_server(**settings: Any) -> PostgresServer:
 
 
 def stop_server(server: PostgresServer) -> None:
-    """Clean up a server, a callgrind_server's late files included (harmless for any other)."""
+    """Clean up a server, and a callgrind_server's files written late (a server without a
+    wrapper writes none: no sweep)."""
     directory = server.directory
     server.cleanup()
-    _remove_late_files(directory)
+    if server.wrapper:
+        _remove_late_files(directory)
 
 
 def backend_total(server: PostgresServer, pid: int, timeout: float = 300.0) -> int:

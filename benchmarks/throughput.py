@@ -3,8 +3,9 @@
 Each process runs the relay's own protocol loop (``Relay.turn``: claim, PREPARE, publish with
 pipelined confirms, ledger record, COMMIT PREPARED; the relay's pause after a short or empty
 claim) until the outbox is empty. Processes connect first and wait at a start line, so the
-figure is claim-to-committed of every event, not interpreter start-up. The plain-commit variant swaps in ``PlainCommitStore`` (below): the same
-loop with BEGIN ... COMMIT, to price the two-phase commit. It exists only in this benchmark.
+figure is claim-to-committed of every event, not interpreter start-up. The plain-commit variant
+swaps in ``PlainCommitStore`` (below): the same loop with BEGIN ... COMMIT, to price the
+two-phase commit. It exists only in this benchmark.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from devenv import launch
 _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is its own
 
 
-
 class Program:
     """One running relay or resolver process with its log file."""
 

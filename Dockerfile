@@ -4,7 +4,7 @@
 #   docker run IMAGE                          -> outbox-relay (the default CMD)
 #   docker run IMAGE outbox-relay migrate     -> apply the schema (idempotent)
 #   docker run IMAGE outbox-resolver          -> the resolver
-# Every setting is an OUTBOX_* environment variable (see relay/config.py).
+# Every setting is an OUTBOX_* environment variable (see outbox_relay/runtime/options.py).
 
 # --- build: one wheel for the project and one for each dependency -------------------------
 FROM python:3.11-slim AS build
@@ -15,7 +15,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 # .dockerignore keeps the context to what the wheel is built from.
 COPY . .
-# The wheel ships the top-level sql/ folder as the package relay.schema (see pyproject.toml),
+# The wheel ships the top-level sql/ folder as the package outbox_relay.sql (see pyproject.toml),
 # so `outbox-relay migrate` works from the installed image.
 RUN pip wheel . --wheel-dir /wheels
 

@@ -52,8 +52,8 @@ from benchmarks import (
 )
 from benchmarks.workload import Servers, code_version, declare_sink, say
 from devenv.servers import PostgresServer, RabbitServer
-from relay.config import RelaySettings
-from relay.migrate import migrate
+from outbox_relay.relay.settings import RelaySettings
+from outbox_relay.schema import migrate
 
 DEFAULT_BATCH = RelaySettings(database_url="postgresql://", amqp_url="amqp://").batch_size
 

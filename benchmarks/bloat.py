@@ -25,9 +25,9 @@ from benchmarks import processes
 from benchmarks.latency import percentile
 from benchmarks.steady import Consumer, Producer
 from benchmarks.workload import Servers, reset, say
-from relay import store
+from outbox_relay.relay import store
 
-# The claim's fresh branch as the claim session plans it (relay/queries.sql), minus FOR UPDATE.
+# The claim's fresh branch as the claim session plans it (sql/queries.sql), minus FOR UPDATE.
 _WALK = """
 SELECT id FROM outbox WHERE attempts <= 0 AND available_at <= now() ORDER BY id LIMIT 2000
 """

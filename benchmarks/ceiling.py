@@ -28,7 +28,7 @@ from benchmarks.workload import (
     SinkDrainer,
     purge_sink,
 )
-from relay import amqp, pika_private
+from outbox_relay import pika_private, rabbitmq
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _Publisher:
         self.channel.confirm_delivery(ack_nack_callback=self._on_confirm,
                                       callback=lambda _frame: selected.append(True))
         self.channel.add_on_return_callback(self._on_return)
-        amqp.pump(self.conn, lambda: bool(selected), 10)
+        rabbitmq.pump(self.conn, lambda: bool(selected), 10)
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
@@ -71,7 +71,7 @@ class _Publisher:
         state, sent = self.state, 0
         while state["confirmed"] < count:
             # The relay's own way of writing a batch: one write, not a send() per frame.
-            with amqp.coalesced_writes(self.conn) if coalesce else contextlib.nullcontext():
+            with rabbitmq.coalesced_writes(self.conn) if coalesce else contextlib.nullcontext():
                 while sent < min(count, state["confirmed"] + window):
                     sent += 1
                     props = pika.BasicProperties(delivery_mode=2, content_type="application/json",
@@ -81,7 +81,7 @@ class _Publisher:
                                                CEILING_BODY, props, mandatory=True)
             # Refill once half the window is back (or wait for the last confirm).
             state["low_water"] = sent if sent == count else sent - window // 2
-            amqp.pump(self.conn, lambda: state["confirmed"] >= state["low_water"], 60)
+            rabbitmq.pump(self.conn, lambda: state["confirmed"] >= state["low_water"], 60)
             if state["confirmed"] < state["low_water"]:
                 raise RuntimeError("the broker stopped confirming")
         if state["nacked"] or state["returned"]:

@@ -9,7 +9,7 @@ claiming its next batch of 2,000 while its own batch and the other relays' are p
 relay claims ahead while the broker confirms (a claim made ahead is an open transaction, not a
 prepared one: the same rows are held). A claim returns fewer rows than it asks for when the
 rows it may take run out within its look (three batches past the rows in flight): the others
-are rows of keys whose oldest row a batch in flight holds (relay/queries.sql). Counted:
+are rows of keys whose oldest row a batch in flight holds (sql/queries.sql). Counted:
 claims, rows a claim over the first three quarters (the steady part, before the outbox runs
 dry), and the CPU of the claim sessions' backends. A count does not depend on the machine; the
 CPU does (a ratio within one run only). With --callgrind, the PostgreSQL runs under callgrind
@@ -31,8 +31,8 @@ from benchmarks.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.cpu import CpuMeter
 from benchmarks.workload import code_version, insert_events, say, write_results
 from devenv.servers import PostgresServer
-from relay.migrate import migrate
-from relay.store import OutboxStore
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.schema import migrate
 
 BATCH = 2_000
 UNLIMITED_BYTES = 1 << 40

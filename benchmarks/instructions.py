@@ -4,10 +4,10 @@ next, and a change worth a few per cent shows only here.
 
     python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys] [--out JSON]
 
-- build: ``relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
+- build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but the two headers a keyed message gets written in the headers column), in one Python
   process under callgrind, minus the same process building the rows only;
-- claim: the relay's claim statement (relay/queries.sql), batches of B out of N rows, on a
+- claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
   session's backend only, minus a session that runs the claim once on the empty table (its
   planning and catalog reads). Plain COMMIT after each claim: PREPARE is not what is counted.
@@ -32,11 +32,12 @@ from psycopg import sql
 from benchmarks.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.workload import KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
-from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER, to_message
-from relay.migrate import migrate
-from relay.model import OutboxRow
-from relay.queries import Tables
-from relay.store import claim_session
+from outbox_relay.model import OutboxRow
+from outbox_relay.relay.messages import to_message
+from outbox_relay.relay.store import claim_session
+from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
+from outbox_relay.schema import migrate
+from outbox_relay.tables import Tables
 
 SHAPES = ("none", "keys", "headers")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,

@@ -10,7 +10,7 @@ what a user runs, and they differ where it matters here, since after a claim tha
 the benchmark's loop polls again in 5 ms and the program waits longer each time (from
 OUTBOX_POLL_MIN_INTERVAL up to OUTBOX_POLL_MAX_INTERVAL).
 
-Each key's rows wait for its batch in flight (relay/queries.sql), so with few keys a batch holds
+Each key's rows wait for its batch in flight (sql/queries.sql), so with few keys a batch holds
 every key and the next batch, of the same relay or another, finds nothing to claim until it
 commits: the relays take turns instead of overlapping. With many keys a batch holds a few rows
 of each and the rest flows.

@@ -35,7 +35,7 @@ from benchmarks.workload import (
     say,
 )
 from devenv.servers import RabbitServer
-from relay.config import BATCH_SIZE
+from outbox_relay.relay.settings import BATCH_SIZE
 
 RELAYS = 2
 DEFAULT_BATCH = BATCH_SIZE.parse(BATCH_SIZE.default or "")  # the relays run at defaults

@@ -28,9 +28,9 @@ import psycopg
 from psycopg import sql
 
 from devenv.servers import PostgresServer
-from relay.config import STATS_INTERVAL
-from relay.migrate import migrate
-from relay.queries import Tables
+from outbox_relay.runtime.options import STATS_INTERVAL
+from outbox_relay.schema import migrate
+from outbox_relay.tables import Tables
 
 TABLE = "outbox"
 

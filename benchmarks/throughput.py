@@ -22,11 +22,12 @@ from psycopg import sql
 from benchmarks.processes import run_together, status_kb
 from benchmarks.profile import Profiler
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
-from relay.config import RelaySettings
-from relay.model import OutboxRow
-from relay.publisher import AmqpPublisher
-from relay.store import BATCH_STATEMENTS_SETUP, OutboxStore, connect
-from relay.worker import Relay
+from outbox_relay.model import OutboxRow
+from outbox_relay.postgres import connect
+from outbox_relay.relay.publisher import AmqpPublisher
+from outbox_relay.relay.settings import RelaySettings
+from outbox_relay.relay.store import BATCH_STATEMENTS_SETUP, OutboxStore
+from outbox_relay.relay.worker import Relay
 
 
 class PlainCommitStore(OutboxStore):

@@ -37,7 +37,7 @@ from psycopg.types.json import Jsonb
 from devenv import checker, launch
 from devenv.proxy import Proxy
 from devenv.servers import PostgresServer, RabbitServer
-from relay.migrate import migrate
+from outbox_relay.schema import migrate
 
 EXCHANGE = "chaos.events"
 QUEUE = "chaos.sink"

@@ -73,7 +73,7 @@ from devenv.chaos import (
 )
 from devenv.proxy import LOOPBACK, Proxy
 from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
-from relay.migrate import migrate
+from outbox_relay.schema import migrate
 
 AUDIT = "chaos.audit"  # a copy of every event, read after the run: the broker's order
 

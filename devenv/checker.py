@@ -16,8 +16,8 @@ import pika
 import psycopg
 from psycopg import sql
 
-from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER
-from relay.queries import Tables
+from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
+from outbox_relay.tables import Tables
 
 
 @dataclass

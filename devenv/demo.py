@@ -21,7 +21,7 @@ import psycopg
 
 from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay.migrate import migrate
+from outbox_relay.schema import migrate
 
 EXCHANGE = "demo.events"
 QUEUE = "demo.sink"

@@ -22,9 +22,19 @@ def program_env(database_url: str, amqp_url: str, **settings: str) -> dict[str, 
     return env
 
 
-def launch(module: str, env: dict[str, str], log_path: Path, *args: str,
+# The programs by the short names the tests, the benchmark and the runs give them.
+PROGRAMS = {"relay": "outbox_relay.relay", "resolver": "outbox_relay.resolver"}
+
+
+def command(program: str, *args: str) -> list[str]:
+    """The command line that runs ``program`` (``relay``, ``resolver`` or a module's name)."""
+    return [sys.executable, "-m", PROGRAMS.get(program, program), *args]
+
+
+def launch(program: str, env: dict[str, str], log_path: Path, *args: str,
            append: bool = False) -> subprocess.Popen[bytes]:
-    """``python -m module args`` from the checkout, its output to ``log_path``."""
+    """``python -m <program's module> args`` from the checkout (``program``: ``relay``,
+    ``resolver`` or a module's name), its output to ``log_path``."""
     with open(log_path, "ab" if append else "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
+        return subprocess.Popen(command(program, *args), env=env, cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT)

@@ -25,7 +25,7 @@ import psycopg
 
 from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay.migrate import migrate
+from outbox_relay.schema import migrate
 
 MIB = 1 << 20
 EXCHANGE = "memory.events"

@@ -22,7 +22,7 @@ import psycopg
 
 from devenv import checker
 from devenv.servers import PostgresPair, RabbitServer
-from relay.migrate import migrate
+from outbox_relay.schema import migrate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def relay_once(pair: PostgresPair, rabbit: RabbitServer, table: str, events: int
                 "OUTBOX_BATCH_SIZE": str(batch), "OUTBOX_METRICS_PORT": "0",
                 "OUTBOX_STANDBY_WAIT": wait, "PYTHONPATH": str(ROOT)})
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "relay"], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.relay"], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with psycopg.connect(pair.url, autocommit=True) as db:

@@ -16,20 +16,14 @@ Consumer: apply each event once, although the relay delivers at least once::
     inbox = Inbox("inbox", consumer="billing")
     channel.basic_consume("billing.orders", inbox.pika_callback(db, apply_payment))
 
-The implementation lives in ``relay.producer`` and ``relay.inbox``; this package is the one
-import a service needs. SQLAlchemy and aio-pika are optional (extras ``sqlalchemy`` and
+The implementation lives in ``outbox_relay.producer`` and ``outbox_relay.inbox``; this package
+is the one import a service needs, and it loads neither program (``outbox_relay.relay``,
+``outbox_relay.resolver``) nor pika. SQLAlchemy and aio-pika are optional (extras ``sqlalchemy`` and
 ``aio-pika``): nothing here imports them.
 """
 
-from relay import __version__
-from relay.errors import (
-    ConfigError,
-    InboxError,
-    InvalidEvent,
-    NotInTransaction,
-    OutboxError,
-)
-from relay.inbox import (
+from outbox_relay.errors import ConfigError, InboxError, InvalidEvent, NotInTransaction, OutboxError
+from outbox_relay.inbox import (
     DEFAULT_RETENTION_SECONDS,
     AsyncHandler,
     Handler,
@@ -39,8 +33,9 @@ from relay.inbox import (
     Outcome,
     inbox_schema_sql,
 )
-from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER
-from relay.producer import DEFAULT_MAX_MESSAGE_BYTES, Event, enqueue, enqueue_many, schema_sql
+from outbox_relay.producer import DEFAULT_MAX_MESSAGE_BYTES, Event, enqueue, enqueue_many, schema_sql
+from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
+from outbox_relay.version import __version__
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

@@ -1,3 +1,5 @@
-"""outbox-relay: a transactional outbox relay for PostgreSQL and RabbitMQ (two-phase commit)."""
+"""The relay program (``outbox-relay``), installed as ``outbox_relay.relay``.
 
-__version__ = "0.1.0"
+``worker.Relay.run_batch`` is the protocol's five steps, top to bottom; ``store`` is its
+PostgreSQL side (steps 1, 2, 5) and ``publisher`` its RabbitMQ side (steps 3, 4).
+"""

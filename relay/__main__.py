@@ -1,5 +1,6 @@
+"""python -m outbox_relay.relay: the same as the outbox-relay command."""
 import sys
 
-from relay.cli import main
+from outbox_relay.relay.cli import main
 
 sys.exit(main())

@@ -9,21 +9,26 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from relay import __version__, config, dead_letter, faults, logs, metrics
-from relay.errors import ConfigError, OutboxError, StartupCheckError
-from relay.exits import EXIT_OK, EXIT_STARTUP, run_program
-from relay.migrate import migrate, schema_sql
-from relay.publisher import AmqpPublisher
-from relay.queries import Tables
-from relay.signals import Shutdown
-from relay.store import OutboxStore, connect
-from relay.worker import Relay, relay_health
+from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
+from outbox_relay.postgres import connect
+from outbox_relay.relay import dead_letter, faults
+from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.relay.publisher import AmqpPublisher
+from outbox_relay.relay.settings import RELAY_OPTIONS, RelaySettings
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.relay.worker import Relay, relay_health
+from outbox_relay.runtime import http, logs, options
+from outbox_relay.runtime.exits import EXIT_OK, EXIT_STARTUP, run_program
+from outbox_relay.runtime.signals import Shutdown
+from outbox_relay.schema import migrate, schema_sql
+from outbox_relay.tables import Tables
+from outbox_relay.version import __version__
 
 log = logging.getLogger("relay")
 
-MIGRATE_OPTIONS = (config.DATABASE_URL, config.TABLE, config.CONNECT_TIMEOUT,
-                   config.LOG_LEVEL, config.LOG_FORMAT)
-DEAD_LETTER_OPTIONS = (config.DATABASE_URL, config.TABLE, config.CONNECT_TIMEOUT)
+MIGRATE_OPTIONS = (options.DATABASE_URL, options.TABLE, options.CONNECT_TIMEOUT,
+                   options.LOG_LEVEL, options.LOG_FORMAT)
+DEAD_LETTER_OPTIONS = (options.DATABASE_URL, options.TABLE, options.CONNECT_TIMEOUT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,11 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter}")
     run = sub.add_parser("run", help="relay events (the default)")
-    config.add_options(run, config.RELAY_OPTIONS)
+    options.add_options(run, RELAY_OPTIONS)
     mig = sub.add_parser("migrate", help="create the outbox tables if missing (idempotent)")
     mig.add_argument("--print", action="store_true", dest="print_only",
                      help="print the SQL instead of applying it (for psql -f)")
-    config.add_options(mig, MIGRATE_OPTIONS)
+    options.add_options(mig, MIGRATE_OPTIONS)
     dead = sub.add_parser(
         "dead-letter", help="list the dead-letter table or move rows back into the outbox",
         description="Inspect <table>_dead_letter, or requeue rows from it: they go back into the "
@@ -53,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", type=_positive_int, default=100, metavar="N",
                          help="print at most N rows (default: 100)")
     listing.add_argument("--json", action="store_true", help="print a JSON array instead")
-    config.add_options(listing, DEAD_LETTER_OPTIONS)
+    options.add_options(listing, DEAD_LETTER_OPTIONS)
     requeue = dead_sub.add_parser(
         "requeue", help="move dead letters back into the outbox (one transaction)")
     which = requeue.add_mutually_exclusive_group(required=True)
     which.add_argument("--id", type=_positive_int, action="append", dest="ids", metavar="ID",
                        help="dead-letter id to requeue (repeat for several)")
     which.add_argument("--all", action="store_true", help="requeue every dead letter")
-    config.add_options(requeue, DEAD_LETTER_OPTIONS)
+    options.add_options(requeue, DEAD_LETTER_OPTIONS)
     return parser
 
 
@@ -86,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     if args.print_only:
-        table = config.resolve(args, (config.TABLE,))["table"]
+        table = options.resolve(args, (options.TABLE,))["table"]
         sys.stdout.write(schema_sql(table) + "\n")
         return EXIT_OK
-    values = config.resolve(args, MIGRATE_OPTIONS)
+    values = options.resolve(args, MIGRATE_OPTIONS)
     logs.setup(values["log_level"], values["log_format"])
     migrate(values["database_url"], values["table"], timeout=values["connect_timeout"])
     log.info("schema applied", extra={"action": "schema_applied", "table": values["table"]})
@@ -97,7 +102,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = config.RelaySettings(**config.resolve(args, config.RELAY_OPTIONS))
+    settings = RelaySettings(**options.resolve(args, RELAY_OPTIONS))
     try:
         fault = faults.crash_hook()
     except ValueError as exc:
@@ -105,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()
-    relay_metrics = metrics.RelayMetrics(confirm_timeout=settings.confirm_timeout)
+    relay_metrics = RelayMetrics(confirm_timeout=settings.confirm_timeout)
     health = relay_health(settings)
     store = OutboxStore(settings.database_url, settings.table,
                         connect_timeout=settings.connect_timeout,
@@ -118,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     relay = Relay(settings, store, publisher, metrics=relay_metrics, health=health, fault=fault,
                   shutdown=shutdown)
     publisher.name = f"outbox-relay {relay.instance_name}"
-    metrics.serve(relay_metrics.registry, settings.metrics_host, settings.metrics_port, health)
+    http.serve(relay_metrics.registry, settings.metrics_host, settings.metrics_port, health)
     # Fail fast on what a retry cannot fix (2PC off, schema missing, stream clash).
     try:
         relay.run()
@@ -129,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _dead_letter(args: argparse.Namespace) -> int:
-    values = config.resolve(args, DEAD_LETTER_OPTIONS)
+    values = options.resolve(args, DEAD_LETTER_OPTIONS)
     try:
         return _dead_letter_command(args, values["database_url"], Tables(values["table"]),
                                     values["connect_timeout"])

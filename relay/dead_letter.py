@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from relay.queries import Tables
-from relay.store import missing_schema
+from outbox_relay.postgres import missing_schema
+from outbox_relay.tables import Tables
 
 
 @dataclass(frozen=True)

@@ -1,232 +1,56 @@
-"""Turn claimed rows into AMQP messages, or say why a row can never be published.
+"""A claimed row to the AMQP message the relay publishes, or the reason it never can be.
 
-Every column of a row is the producer's: ``publish_problem`` is the one place that decides
-whether the relay would dead-letter a row and why, from plain values (the producer-side API
-calls it too). ``to_message`` decodes a claimed row's raw columns one row at a time, so no
-content of a row can fail a batch or stop the relay: whatever cannot be decoded, encoded or
-published is a reason, and the row goes to the dead-letter table with it.
+Every column of a row is the producer's: ``to_message`` decodes a claimed row's raw columns one
+row at a time, so no content of a row can fail a batch or stop the relay. It runs the rules of
+outbox_relay.rules (the producer API's too); whatever cannot be decoded, encoded or published is
+a reason, and the row goes to the dead-letter table with it.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from decimal import Decimal
 from typing import Any
 
-import pika
-import pika.frame
+from pika.spec import BasicProperties
 
-from relay.model import Message, OutboxRow, Unpublishable
-from relay.properties import EncodedProperties, encoded
-from relay.publisher import DEFAULT_FRAME_MAX
-
-SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type
-# Deeper header tables are refused before anything recursive (JSON decoding, conversion,
-# pika's encoder) meets them: jsonb accepts nesting thousands of levels deep.
-HEADERS_DEPTH_MAX = 64
-# The AMQP timestamp is an unsigned 64-bit count of seconds; consumers read it as a date, so
-# it must be a date of years 1970 to 9999.
-TIMESTAMP_MIN = 0
-TIMESTAMP_END = 253402300800  # 10000-01-01T00:00:00Z
-REASON_MAX = 500  # characters of a library's text kept in a reason
-
-# Headers the relay sets on the message of a row that has an ordering_key: the key itself, and
-# the row's id, the event's position among the events of its key (ids grow in commit order for
-# producers that serialize their transactions per key). Consumers read them (the inbox's
-# per-key check does); a producer's own headers of these names are replaced.
-ORDERING_KEY_HEADER = "x-ordering-key"
-POSITION_HEADER = "x-outbox-id"
-RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
-# The headers column as the claim returns it when a producer sets none (its default).
-EMPTY_HEADERS = "{}"
-# A header frame around its properties: frame type, channel and size, class, weight and body
-# size, frame end.
-HEADER_FRAME_OVERHEAD = 20
+from outbox_relay import properties
+from outbox_relay.model import Message, OutboxRow, Unpublishable
+from outbox_relay.rules import (
+    DEFAULT_FRAME_MAX,
+    EMPTY_HEADERS,
+    amqp_value,
+    decode_headers,
+    default_content_type,
+    encoding_problem,
+    field_problem,
+    message_headers,
+    property_fields,
+    short_reason,
+)
 
 
-@dataclass(frozen=True)
-class Problem:
-    """Why a message can never be published: the field at fault and the dead-letter reason."""
+class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no type hints
+    """pika's BasicProperties, with their wire form computed beforehand
+    (outbox_relay.properties): pika writes these bytes as they are."""
 
-    field: str
-    reason: str
+    def __init__(self, wire: bytes, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.wire = wire
 
-    def __str__(self) -> str:
-        return self.reason
-
-
-def _shortstr(name: str, value: str) -> Problem | None:
-    # An ASCII string is as long in bytes as in characters: most need no encoding to measure.
-    if not (value.isascii() and len(value) <= SHORTSTR_MAX) and len(value.encode()) > SHORTSTR_MAX:
-        return Problem(name, f"{name} is longer than {SHORTSTR_MAX} bytes")
-    return None
+    def encode(self) -> list[bytes]:
+        return [self.wire]
 
 
-def amqp_value(value: Any) -> Any:
-    """JSON to AMQP table values: pika encodes no floats, so a fractional number is a decimal."""
-    if isinstance(value, float):
-        return Decimal(repr(value))
-    if isinstance(value, dict):
-        return {k: amqp_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [amqp_value(v) for v in value]
-    return value
+def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
+            timestamp: int) -> BasicProperties:
+    """Persistent message properties: encoded beforehand when their shape allows, else pika's."""
+    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
+              "headers": headers or None, "timestamp": timestamp}
+    return _properties(fields, properties.wire(**fields))
 
 
-def message_headers(headers: Any, ordering_key: str | None, position: int) -> Any:
-    """The headers published for a row: its own, plus ORDERING_KEY_HEADER and POSITION_HEADER
-    when it has an ordering key. Anything but a JSON object is returned as it is (the checks
-    refuse it)."""
-    if ordering_key is None or not isinstance(headers, dict):
-        return headers
-    return {**headers, ORDERING_KEY_HEADER: ordering_key, POSITION_HEADER: position}
-
-
-def _depth_over(value: Any, limit: int) -> bool:
-    """True if ``value`` nests more than ``limit`` objects or arrays deep (no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:REASON_MAX]
-
-
-def ledger_address_problem(exchange: str, routing_key: str,
-                           ledger_stream: str | None) -> Problem | None:
-    """A row addressed to the ledger: the default exchange with the stream's name as routing key,
-    or the ledger's own exchange. The relay would otherwise append it to the ledger itself."""
-    if ledger_stream is None:
-        return None
-    if (exchange == "" and routing_key == ledger_stream) or exchange == ledger_stream:
-        return Problem("exchange" if exchange else "routing_key", (
-            f"addressed to the ledger stream {ledger_stream!r} (exchange {exchange!r}, "
-            f"routing key {routing_key[:SHORTSTR_MAX]!r}): no row may write to the ledger"))
-    return None
-
-
-def timestamp_problem(created_at: float, shown: Any) -> Problem | None:
-    if not (math.isfinite(created_at) and TIMESTAMP_MIN <= created_at < TIMESTAMP_END):
-        return Problem("created_at", f"created_at {shown} cannot be an AMQP timestamp (a date "
-                                     "from 1970 to 9999 is required)")
-    return None
-
-
-def _epoch(created_at: float | datetime) -> float:
-    if isinstance(created_at, datetime):
-        if created_at.tzinfo is None:
-            created_at = created_at.replace(tzinfo=timezone.utc)
-        return created_at.timestamp()
-    return float(created_at)
-
-
-def _properties(message_id: str, content_type: str, headers: Mapping[str, Any],
-                created_at: float, *, flat: bool) -> Any:
-    return encoded(message_id=message_id, content_type=content_type,
-                   headers=(headers if flat else amqp_value(headers)) or None,
-                   timestamp=int(created_at))
-
-
-def _check(*, message_id: str, exchange: str, routing_key: str, body_size: int, headers: Any,
-           content_type: str, created_at: float, created_shown: Any, max_message_bytes: int,
-           frame_max: int, ledger_stream: str | None,
-           flat: bool = False) -> tuple[Problem | None, Any]:
-    """(why the message can never be published, or None; its properties if nothing is wrong).
-    ``flat``: headers known to be a dict of str and int values (no depth to check, no float)."""
-    error = (
-        _shortstr("exchange", exchange)
-        or _shortstr("routing_key", routing_key)
-        or _shortstr("message_id", message_id)
-        or _shortstr("content_type", content_type)
-        or ledger_address_problem(exchange, routing_key, ledger_stream)
-    )
-    if error is None and not isinstance(headers, dict):
-        error = Problem("headers", f"headers must be a JSON object, got {type(headers).__name__}")
-    if error is None and not flat and _depth_over(headers, HEADERS_DEPTH_MAX):
-        error = Problem("headers", f"headers are nested deeper than {HEADERS_DEPTH_MAX} levels")
-    error = error or timestamp_problem(created_at, created_shown)
-    if error is None and body_size > max_message_bytes:
-        error = Problem("payload", f"payload of {body_size} bytes exceeds "
-                                   f"OUTBOX_MAX_MESSAGE_BYTES={max_message_bytes}")
-    if error is not None:
-        return error, None
-    try:
-        properties = _properties(message_id, content_type, headers, created_at, flat=flat)
-        if headers:
-            # The header frame (properties, headers included) cannot be split: over frame_max,
-            # the broker closes the whole connection (FRAME_ERROR) and fails every batch in it.
-            # Properties encoded beforehand give their size; pika's are encoded to measure it.
-            size = (HEADER_FRAME_OVERHEAD + len(properties.wire)
-                    if isinstance(properties, EncodedProperties)
-                    else len(pika.frame.Header(1, body_size, properties).marshal()))
-            if size > frame_max:
-                return Problem("headers", f"headers make a header frame of {size} bytes, over "
-                                          f"the broker's frame_max of {frame_max} bytes"), None
-    except Exception as exc:  # pika's encoder: struct.error, TypeError, ValueError, ...
-        return Problem("headers", f"headers cannot be encoded as an AMQP table: {_short(exc)}"), None
-    return None, properties
-
-
-def publish_problem(
-    *,
-    message_id: str,
-    exchange: str,
-    routing_key: str,
-    body_size: int,
-    headers: Any = None,
-    content_type: str | None = None,
-    json_payload: bool = True,
-    created_at: float | datetime | None = None,
-    max_message_bytes: int,
-    frame_max: int = DEFAULT_FRAME_MAX,
-    ledger_stream: str | None = None,
-) -> Problem | None:
-    """Why the relay would dead-letter a row with these values (the field at fault and the
-    reason it would dead-letter the row with), or None if it would publish it.
-
-    ``headers`` is the decoded JSON value of the headers column (None: empty), ``body_size`` the
-    payload's size in bytes (a JSON payload's UTF-8 text), ``created_at`` a datetime or epoch
-    seconds (None: now). ``frame_max`` is the broker's (the relay uses the value its connection
-    negotiated), ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts
-    (unroutable, no such exchange, refused) are not foreseen here.
-    """
-    stamp = datetime.now(timezone.utc).timestamp() if created_at is None else _epoch(created_at)
-    error, _ = _check(
-        message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
-        headers={} if headers is None else headers,
-        content_type=content_type or default_content_type(json_payload),
-        created_at=stamp, created_shown=created_at, max_message_bytes=max_message_bytes,
-        frame_max=frame_max, ledger_stream=ledger_stream)
-    return error
-
-
-def default_content_type(json_payload: bool) -> str:
-    """The content type of a row that sets none: JSON for ``payload``, bytes for
-    ``payload_bytes``."""
-    return "application/json" if json_payload else "application/octet-stream"
-
-
-def decode_headers(text: str) -> tuple[Any, str | None]:
-    """(the headers' value, None) or (None, why they cannot be decoded)."""
-    try:
-        return json.loads(text), None
-    except RecursionError:
-        return None, "headers are nested too deeply to decode"
-    except (ValueError, OverflowError) as exc:
-        return None, f"headers cannot be decoded: {_short(exc)}"
+def _properties(fields: Mapping[str, Any], wire: bytes | None) -> BasicProperties:
+    return BasicProperties(**fields) if wire is None else EncodedProperties(wire, **fields)
 
 
 def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME_MAX,
@@ -245,15 +69,18 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
                 return Unpublishable(undecodable)
         headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
-        found, properties = _check(
+        found = field_problem(
             message_id=row.message_id, exchange=row.exchange, routing_key=row.routing_key,
             body_size=len(row.body), headers=headers, content_type=content_type,
             created_at=row.created_epoch, created_shown=repr(row.created_at),
-            max_message_bytes=max_bytes, frame_max=frame_max, ledger_stream=ledger_stream,
-            flat=flat)
+            max_message_bytes=max_bytes, ledger_stream=ledger_stream, flat=flat)
+        if found is None:
+            fields = property_fields(row.message_id, content_type,
+                                     headers if flat else amqp_value(headers), row.created_epoch)
+            found, wire = encoding_problem(fields, body_size=len(row.body), frame_max=frame_max)
     except (RecursionError, ValueError, OverflowError, TypeError, MemoryError) as exc:
-        return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {_short(exc)}")
+        return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {short_reason(exc)}")
     if found is not None:
         return Unpublishable(found.reason)
-    return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body, properties,
-                   row.ordering_key)
+    return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body,
+                   _properties(fields, wire), row.ordering_key)

@@ -19,9 +19,9 @@ import pika
 import pika.exceptions
 import pika.spec
 
-from relay import amqp, pika_private
-from relay.errors import BatchFailed, LedgerMissing, TransientError
-from relay.model import Failure, Message, PublishResult, Reason
+from outbox_relay import pika_private, rabbitmq
+from outbox_relay.errors import BatchFailed, LedgerMissing, TransientError
+from outbox_relay.model import Failure, Message, PublishResult, Reason
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ class AmqpPublisher:
         if wait > 0:
             raise TransientError(f"holding off {wait:.1f} s after the broker nacked a batch "
                                  f"({self._nack_streak} in a row)")
-        self._conn = amqp.connect(self._url, timeout=self._connect_timeout, name=self.name)
+        self._conn = rabbitmq.connect(self._url, timeout=self._connect_timeout, name=self.name)
         try:
-            amqp.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age,
-                                replicas=amqp.ledger_replicas(self._url),
+            rabbitmq.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age,
+                                replicas=rabbitmq.ledger_replicas(self._url),
                                 reopen=self._conn.channel)
             blocking = self._conn.channel()
             self._channel = pika_private.async_channel(blocking)  # the async core: many confirms in flight
@@ -112,7 +112,7 @@ class AmqpPublisher:
             self._pump_until(lambda: bool(selected), self._connect_timeout)
             if not selected:
                 raise TransientError("RabbitMQ did not enable publisher confirms in time")
-        except amqp.CONNECTION_ERRORS as exc:
+        except rabbitmq.CONNECTION_ERRORS as exc:
             self.close()
             raise TransientError(f"RabbitMQ connection lost during setup: {exc!r}") from exc
         except BaseException:
@@ -129,7 +129,7 @@ class AmqpPublisher:
         with ``handshake=False``, for a connection that is known not to answer)."""
         conn, self._conn, self._channel, self._probe = self._conn, None, None, None
         if conn is not None and conn.is_open:
-            amqp.close(conn, CLOSE_TIMEOUT if handshake else 0)
+            rabbitmq.close(conn, CLOSE_TIMEOUT if handshake else 0)
 
     @property
     def frame_max(self) -> int:
@@ -150,7 +150,7 @@ class AmqpPublisher:
             return
         try:
             self._conn.sleep(seconds)
-        except amqp.CONNECTION_ERRORS:
+        except rabbitmq.CONNECTION_ERRORS:
             self.close()
 
     # -- step 3 -------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class AmqpPublisher:
                 self._probe = None
                 missing[name] = Failure(Reason.EXCHANGE_NOT_FOUND, (
                     f"exchange {name!r} not found ({exc.reply_code} {exc.reply_text})"))
-            except amqp.CONNECTION_ERRORS as exc:
+            except rabbitmq.CONNECTION_ERRORS as exc:
                 raise TransientError(f"RabbitMQ connection lost: {exc!r}") from exc
         return missing
 
@@ -211,7 +211,7 @@ class AmqpPublisher:
                 self._closed_code = exc.reply_code
             else:
                 self._result.transient = _lost(f"RabbitMQ connection lost: {exc!r}")
-        except amqp.CONNECTION_ERRORS as exc:
+        except rabbitmq.CONNECTION_ERRORS as exc:
             self._result.transient = _lost(f"RabbitMQ connection lost: {type(exc).__name__}")
         if self._nacked:
             self._after_nack()
@@ -234,7 +234,7 @@ class AmqpPublisher:
     def _publish_all(self, messages: Sequence[Message]) -> None:
         if self._closed_reason is not None:
             return  # the broker closed the channel; the rest stays unconfirmed
-        with amqp.coalesced_writes(self._conn):
+        with rabbitmq.coalesced_writes(self._conn):
             for m in messages:
                 if m.ordering_key in self._stopped_keys:
                     self._result.held.add(m.row_id)  # after its key's unsent row (waves.py)
@@ -243,12 +243,12 @@ class AmqpPublisher:
                     self._channel.basic_publish(exchange=m.exchange, routing_key=m.routing_key,
                                                 body=m.body, properties=m.properties,
                                                 mandatory=True)
-                except amqp.CONNECTION_ERRORS:
+                except rabbitmq.CONNECTION_ERRORS:
                     raise
                 except Exception as exc:
                     # pika marshals a message's frames before writing any: nothing was sent,
                     # no delivery tag used. A row whose content pika cannot encode (which
-                    # relay.messages should have refused) fails alone; the relay goes on.
+                    # outbox_relay.rules should have refused) fails alone; the relay goes on.
                     self._result.failed[m.row_id] = Failure(
                         Reason.UNENCODABLE, f"cannot be encoded: {exc!r}"[:500])
                     if m.ordering_key is not None:
@@ -342,7 +342,7 @@ class AmqpPublisher:
         self._conn.process_data_events(time_limit=0)
 
     def _pump_until(self, done: Callable[[], bool], timeout: float) -> None:
-        amqp.pump(self._conn, done, timeout)
+        rabbitmq.pump(self._conn, done, timeout)
 
 
 def _lost(detail: str) -> Failure:

@@ -9,58 +9,30 @@ confirmed, and this one committed while the next claim is open.
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import psycopg
-import psycopg.conninfo
-import psycopg.errors
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from relay.errors import (
-    ConnectionLost,
-    DatabaseError,
-    DatabaseUnavailable,
-    StartupCheckError,
-    TransientError,
-    describe,
+from outbox_relay.errors import StartupCheckError, TransientError
+from outbox_relay.model import OutboxRow
+from outbox_relay.postgres import (
+    check_server,
+    check_standbys,
+    connect,
+    finish_prepared,
+    outbox_stats,
+    read_ledger_key,
+    translated,
+    try_instance_lock,
+    usable,
+    warn_unchecked,
 )
-from relay.model import HorizonHolder, OutboxRow, PreparedXact, SessionRole
-from relay.queries import Tables
-
-log = logging.getLogger(__name__)
-
-
-# libpq's TCP settings unless the URL sets them: a silent partition is noticed in about 30 s,
-# not after the kernel's retransmission limit (about 15 minutes).
-TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5",
-                "keepalives_count": "3", "tcp_user_timeout": "30000"}
-
-
-def connection_options(url: str) -> dict[str, str]:
-    """TCP_DEFAULTS that ``url`` does not set itself (a unix socket needs none)."""
-    given = psycopg.conninfo.conninfo_to_dict(url)
-    if str(given.get("host", "")).startswith("/"):
-        return {}
-    return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
-
-
-def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Connection[Any]:
-    """An autocommit connection; a failure is a TransientError that never shows the password."""
-    try:
-        return psycopg.connect(
-            psycopg.conninfo.make_conninfo(url, **connection_options(url)), autocommit=True,
-            connect_timeout=max(1, round(timeout)), application_name=application_name,
-        )
-    except psycopg.OperationalError as exc:
-        # libpq's message names host and port, never the password.
-        raise TransientError(f"cannot connect to PostgreSQL: {describe(exc)}") from exc
-
+from outbox_relay.tables import Tables
 
 # Planner guards of the relay's sessions. An outbox swings between empty and full and its
 # statistics lag behind, so a plan must be good in any state the planner may believe in:
@@ -80,9 +52,11 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
 #   milliseconds.
 CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
                        "set_config('jit', 'off', false)")
+
 # Bytes a row may hold besides its payload (headers, text columns) and still be fetched: a
 # header table has to fit the broker's frame_max (128 KiB) anyway.
 ROW_HEADROOM = 1 << 20
+
 BATCH_STATEMENTS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
                           "set_config('jit', 'off', true)")
 
@@ -99,12 +73,6 @@ def claim_session(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     return conn
 
 
-def usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
-    if conn is None or conn.closed:
-        raise TransientError("not connected to PostgreSQL")
-    return conn
-
-
 def standby_flushed_query(standby: str) -> str:
     """True once the standby OUTBOX_STANDBY_WAIT names (``any``: any streaming standby;
     ``sync``: a synchronous or quorum one) has flushed WAL up to %(lsn)s. Reading another
@@ -113,118 +81,6 @@ def standby_flushed_query(standby: str) -> str:
         standby, "application_name = %(name)s")
     return ("SELECT coalesce(bool_or(flush_lsn >= %(lsn)s::pg_lsn), false) "
             f"FROM pg_stat_replication WHERE state = 'streaming' AND {where}")
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """True for errors that mean the session is gone (retry on a new connection).
-
-    psycopg raises OperationalError for more than that (class 53, e.g. "maximum number of
-    prepared transactions reached"): those come with a SQLSTATE from a live session.
-    """
-    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-        return False
-    sqlstate = getattr(exc, "sqlstate", None)
-    # None: raised by the client (socket gone); 08: connection exception; 57P: server shutdown.
-    return sqlstate is None or sqlstate.startswith(("08", "57P"))
-
-
-def translate(exc: psycopg.Error) -> DatabaseError:
-    """The driver's error as the relay's: ConnectionLost when the session is gone,
-    DatabaseUnavailable when the server could not serve the statement."""
-    kind: type[DatabaseError] = DatabaseError
-    if is_connection_error(exc):
-        kind = ConnectionLost
-    elif isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-        kind = DatabaseUnavailable
-    return kind(str(exc), sqlstate=getattr(exc, "sqlstate", None))
-
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def translated(method: Callable[P, R]) -> Callable[P, R]:
-    """The store's edge: no psycopg error gets past it (the relay loop imports no driver)."""
-
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return method(*args, **kwargs)
-        except psycopg.Error as exc:
-            raise translate(exc) from exc
-
-    return wrapper
-
-
-def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) -> None:
-    """Fail fast with one clear line when 2PC is off or (given ``tables``) the schema is missing."""
-    names = tables or Tables("outbox")
-    # to_regclass parses its argument as SQL: pass the quoted identifiers, not the bare names,
-    # or a mixed-case table would be folded to lower case and not found.
-    row = conn.execute(names.query("server_check"), {
-        "outbox": names.outbox.as_string(None), "dead_letter": names.dead_letter.as_string(None),
-    }).fetchone()
-    assert row is not None
-    max_prepared, has_outbox, has_dead_letter, version = row
-    if max_prepared <= 0:
-        raise StartupCheckError(
-            "PostgreSQL has max_prepared_transactions = 0, so PREPARE TRANSACTION fails: set it "
-            "(e.g. to max_connections) in postgresql.conf and restart the server"
-        )
-    if version < 130000:
-        raise StartupCheckError("PostgreSQL 13 or newer is required")
-    if tables is not None and not (has_outbox and has_dead_letter):
-        raise missing_schema(tables)
-
-
-def other_hosts(url: str, conn: psycopg.Connection[Any]) -> list[tuple[str, int]]:
-    """The hosts of a libpq multi-host ``url`` besides the one ``conn`` is on (libpq's rules:
-    one port for every host when one is given, 5432 when none)."""
-    params = psycopg.conninfo.conninfo_to_dict(url)
-    hosts = str(params.get("host") or "").split(",")
-    if len(hosts) < 2:
-        return []
-    ports = str(params.get("port") or "").split(",")
-    if len(ports) == 1:
-        ports = ports * len(hosts)
-    pairs = [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
-    return [pair for pair in pairs if pair != (conn.info.host, conn.info.port)]
-
-
-def check_standbys(url: str, conn: psycopg.Connection[Any], timeout: float) -> list[str]:
-    """Refuse a standby of ``url`` whose max_prepared_transactions is below the primary's
-    (``conn``'s): PostgreSQL pauses its replay, and promoted it could not hold the relays'
-    prepared batches. Returns a warning for each host that cannot be reached."""
-    others = other_hosts(url, conn)
-    if not others:
-        return []
-    row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
-    assert row is not None
-    wanted = int(row[0])
-    warnings = []
-    for host, port in others:
-        try:
-            with psycopg.connect(psycopg.conninfo.make_conninfo(
-                    url, host=host, port=str(port), target_session_attrs="any",
-                    connect_timeout=str(max(1, round(timeout)))), autocommit=True) as other:
-                found = other.execute("SELECT current_setting('max_prepared_transactions')::int,"
-                                      " pg_is_in_recovery()").fetchone()
-        except psycopg.Error as exc:
-            warnings.append(f"standby {host}:{port} not checked: {describe(exc)}")
-            continue
-        assert found is not None
-        value, in_recovery = int(found[0]), bool(found[1])
-        if in_recovery and value < wanted:
-            raise StartupCheckError(
-                f"standby {host}:{port} has max_prepared_transactions = {value}, below the "
-                f"primary's {wanted}: it pauses replay, and promoted it could not hold the "
-                f"relays' prepared batches; set it to {wanted} or more and restart it")
-    return warnings
-
-
-def warn_unchecked(warnings: list[str]) -> None:
-    for warning in warnings:
-        log.warning("%s", warning, extra={"action": "standby_unchecked"})
 
 
 def check_order_schema(conn: psycopg.Connection[Any], tables: Tables) -> None:
@@ -247,90 +103,9 @@ def check_order_schema(conn: psycopg.Connection[Any], tables: Tables) -> None:
             "again")
 
 
-def missing_schema(tables: Tables) -> StartupCheckError:
-    """The one-line error for an outbox or dead-letter table that does not exist."""
-    return StartupCheckError(f"table {tables.name!r} or {tables.dead_letter_name!r} does not "
-                             "exist: run `outbox-relay migrate` first")
-
-
-def read_ledger_key(conn: psycopg.Connection[Any], tables: Tables) -> tuple[bytes, str]:
-    """(the ledger key, this database's name); a missing or unreadable key is a startup error:
-    without it no ledger record can be signed or believed."""
-    name = tables.ledger_key_name
-    try:
-        row = conn.execute(tables.query("ledger_key")).fetchone()
-    except psycopg.errors.UndefinedTable:
-        raise StartupCheckError(f"table {name!r} (the ledger key) does not exist: run "
-                                "`outbox-relay migrate`") from None
-    except psycopg.errors.InsufficientPrivilege:
-        raise StartupCheckError(
-            f"permission denied reading {name!r} (the ledger key): the relays and the resolver "
-            "need SELECT on it (sql/roles.sql); run `outbox-relay migrate`, then roles.sql") from None
-    if row is None or row[0] is None or len(bytes(row[0])) < 16:
-        raise StartupCheckError(f"table {name!r} holds no ledger key: run `outbox-relay migrate`")
-    return bytes(row[0]), str(row[1])
-
-
-def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float]:
-    """(backlog rows, lag seconds) of the whole outbox table, for the metrics."""
-    row = conn.execute(tables.query("stats")).fetchone()
-    assert row is not None
-    return int(row[0]), float(row[1])
-
-
-def blocked_keys(conn: psycopg.Connection[Any], tables: Tables) -> int:
-    row = conn.execute(tables.query("blocked_keys")).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:
-    rows = conn.execute(Tables("outbox").query("prepared_of_prefix"), {"prefix": prefix + ":"})
-    return [PreparedXact(*row) for row in rows]
-
-
-def session_role(conn: psycopg.Connection[Any]) -> SessionRole:
-    row = conn.execute(Tables("outbox").query("session_role")).fetchone()
-    assert row is not None
-    return SessionRole(row[0], bool(row[1]))
-
-
-def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, HorizonHolder]:
-    """{holder kind: its oldest xid}; kinds: outbox_prepared (this gid prefix), other_prepared,
-    session, replication_slot. Kinds holding nothing are left out."""
-    rows = conn.execute(Tables("outbox").query("xmin_horizon"), {"prefix": prefix + ":"})
-    return {holder: HorizonHolder(int(xid_age), age_seconds)
-            for holder, xid_age, age_seconds in rows}
-
-
-def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) -> bool:
-    """COMMIT or ROLLBACK PREPARED; False when the transaction no longer exists (42704).
-
-    A gid cannot be a bind parameter: it is composed as a quoted literal, and only gids of our
-    own format (checked by the caller) ever get here.
-    """
-    verb = sql.SQL("COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}")
-    try:
-        conn.execute(verb.format(sql.Literal(gid)))
-    except psycopg.errors.UndefinedObject:
-        return False
-    return True
-
-
 def claim_lock_key(table: str) -> int:
     """The advisory lock key that serializes the claims of ``table`` (a bigint)."""
     return zlib.crc32(f"outbox-relay claim {table}".encode())
-
-
-def try_instance_lock(conn: psycopg.Connection[Any], lock_class: int, instance: int) -> bool:
-    row = conn.execute(
-        Tables("outbox").query("try_instance_lock"), {"class": lock_class, "instance": instance}
-    ).fetchone()
-    return bool(row and row[0])
-
-
-def instance_unlock(conn: psycopg.Connection[Any], lock_class: int, instance: int) -> None:
-    conn.execute(Tables("outbox").query("instance_unlock"), {"class": lock_class, "instance": instance})
 
 
 class OutboxStore:

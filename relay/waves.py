@@ -1,6 +1,6 @@
 """Per-key order inside one batch: which messages go out together, and which wait.
 
-The claim (relay/queries.sql) hands a batch every row of whose key older rows are published
+The claim (sql/queries.sql) hands a batch every row of whose key older rows are published
 or in the batch too. Inside the batch, messages of one key could go out back to back on one
 channel, in id order, if what fails there failed for a suffix: the message that fails and every
 later one. It does not. A message returned as unroutable fails alone while the next one of its
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
-from relay.model import Message, OutboxRow
+from outbox_relay.model import Message, OutboxRow
 
 
 def waves(messages: Sequence[Message]) -> list[list[Message]]:

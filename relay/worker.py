@@ -10,10 +10,8 @@ from typing import Protocol
 
 import tenacity
 
-from relay import backoff, ledger
-from relay.config import RelaySettings
-from relay.connections import ConnectionEvents
-from relay.errors import (
+from outbox_relay import ledger
+from outbox_relay.errors import (
     BatchFailed,
     ConnectionLost,
     DatabaseError,
@@ -21,12 +19,8 @@ from relay.errors import (
     TransientError,
     describe,
 )
-from relay.gid import Gid, lock_class, new_instance_id
-from relay.health import Health, stall_threshold
-from relay.loop import Loop
-from relay.messages import to_message
-from relay.metrics import RelayMetrics
-from relay.model import (
+from outbox_relay.gid import Gid, lock_class, new_instance_id
+from outbox_relay.model import (
     BatchOutcome,
     DeadLetterReason,
     Failure,
@@ -37,8 +31,15 @@ from relay.model import (
     Server,
     Unpublishable,
 )
-from relay.signals import Shutdown, Stop
-from relay.waves import held_back, waves
+from outbox_relay.relay.messages import to_message
+from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.relay.settings import RelaySettings
+from outbox_relay.relay.waves import held_back, waves
+from outbox_relay.runtime import backoff
+from outbox_relay.runtime.connections import ConnectionEvents
+from outbox_relay.runtime.health import Health, stall_threshold
+from outbox_relay.runtime.loop import Loop
+from outbox_relay.runtime.signals import Shutdown, Stop
 
 log = logging.getLogger("relay")
 
@@ -49,7 +50,7 @@ LOST_STREAK_LIMIT = 3
 
 # A claim made ahead that finds nothing while the batch in flight holds keyed rows was most
 # likely held back by key heads in flight (this batch's, or another relay's): it read up to three
-# batches of rows and found none it could take (relay/queries.sql, the look), and the next one
+# batches of rows and found none it could take (sql/queries.sql, the look), and the next one
 # would too while those batches last. The next claim ahead asks for this share of a batch (its
 # look shrinks with it), doubling back to a whole batch as its claims come back full.
 AHEAD_RESTART_SHARE = 8
@@ -299,7 +300,7 @@ class Relay(Loop):
         """A keyed row of the batch cannot go (it can never be published, or its exchange is
         missing) and newer rows of its key are in the batch: publishing them would put them
         first. Roll the claim back, publishing nothing, then dead-letter that row or count its
-        attempt on its own; the next claim holds its key back (relay/queries.sql)."""
+        attempt on its own; the next claim holds its key back (sql/queries.sql)."""
         self.store.rollback()
         dead = set(self.store.dead_letter_rows({row.id: reason for row, reason in invalid}))
         self._log_dead_lettered([(row, error) for row, error in invalid if row.id in dead])

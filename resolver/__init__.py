@@ -1,1 +1,2 @@
-"""outbox-resolver: finishes prepared batches whose relay is gone, from what the ledger says."""
+"""The resolver program (``outbox-resolver``), installed as ``outbox_relay.resolver``: it
+finishes the prepared batches of relays that are gone, from what the ledger says."""

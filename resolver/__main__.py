@@ -1,5 +1,6 @@
+"""python -m outbox_relay.resolver: the same as the outbox-resolver command."""
 import sys
 
-from resolver.cli import main
+from outbox_relay.resolver.cli import main
 
 sys.exit(main())

@@ -6,10 +6,13 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from relay import __version__, config, logs, metrics
-from relay.exits import EXIT_FAILED, EXIT_OK, run_program
-from relay.signals import Shutdown
-from resolver.worker import Resolver, resolver_health
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.settings import RESOLVER_OPTIONS, ResolverSettings
+from outbox_relay.resolver.worker import Resolver, resolver_health
+from outbox_relay.runtime import http, logs, options
+from outbox_relay.runtime.exits import EXIT_FAILED, EXIT_OK, run_program
+from outbox_relay.runtime.signals import Shutdown
+from outbox_relay.version import __version__
 
 log = logging.getLogger("resolver")
 
@@ -25,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--once", action="store_true",
                         help=f"run one scan and exit ({EXIT_OK}: done; {EXIT_FAILED}: could not "
                         "decide)")
-    config.add_options(parser, config.RESOLVER_OPTIONS)
+    options.add_options(parser, RESOLVER_OPTIONS)
     return parser
 
 
@@ -35,11 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = config.ResolverSettings(**config.resolve(args, config.RESOLVER_OPTIONS))
+    settings = ResolverSettings(**options.resolve(args, RESOLVER_OPTIONS))
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()
-    resolver_metrics = metrics.ResolverMetrics()
+    resolver_metrics = ResolverMetrics()
     health = resolver_health(settings)
     resolver = Resolver(settings, metrics=resolver_metrics, health=health, shutdown=shutdown)
     try:
@@ -48,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
             outcomes = resolver.resolve_once()
             log.info("scan done", extra={"action": "scan_done", "resolved": len(outcomes)})
             return EXIT_OK
-        metrics.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port,
+        http.serve(resolver_metrics.registry, settings.metrics_host, settings.metrics_port,
                       health)
         resolver.run()
         return EXIT_OK

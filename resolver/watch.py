@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from relay.gid import Gid
+from outbox_relay.gid import Gid
 
 
 def orphaned(prepared: Sequence[str], live: Collection[int], prefix: str,

@@ -9,7 +9,7 @@ finished it first. The order matters: a relay known dead before step 3 cannot ad
 after our marker.
 
 A record counts only if it is signed with the ledger key (which only the relays' role can read)
-and names the prepared transaction's own xid and database (see relay/ledger.py). Candidates are
+and names the prepared transaction's own xid and database (see outbox_relay/ledger.py). Candidates are
 decided oldest first, at most LEDGER_WINDOW per ledger read, and only their gids are kept while
 reading; a read fails only when the ledger stops delivering, however long it takes.
 
@@ -17,7 +17,7 @@ Between scans the watch (resolver/watch.py) checks every OUTBOX_RESOLVER_WATCH_I
 prepared batch whose relay's lock is gone, and starts the next scan at once when it finds one.
 
 The resolver sees PostgreSQL and RabbitMQ through two seams, ``PreparedStore`` and ``Ledger``
-(relay/prepared_store.py and relay/ledger_client.py; tests/unit/fakes.py for the unit tests).
+(resolver/store.py and resolver/ledger.py; tests/unit/fakes.py for the unit tests).
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from relay import ledger
-from relay.config import ResolverSettings
-from relay.connections import ConnectionEvents
-from relay.errors import DatabaseError, DatabaseUnavailable, TransientError, describe
-from relay.gid import Gid, lock_class
-from relay.health import Health, stall_threshold
-from relay.ledger_client import AmqpLedger
-from relay.loop import Loop
-from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
-from relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
-from relay.prepared_store import PostgresPreparedStore
-from relay.signals import Shutdown, Stop
-from resolver.watch import orphaned
+from outbox_relay import ledger
+from outbox_relay.errors import DatabaseError, DatabaseUnavailable, TransientError, describe
+from outbox_relay.gid import Gid, lock_class
+from outbox_relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
+from outbox_relay.resolver.ledger import AmqpLedger
+from outbox_relay.resolver.metrics import HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.settings import ResolverSettings
+from outbox_relay.resolver.store import PostgresPreparedStore
+from outbox_relay.resolver.watch import orphaned
+from outbox_relay.runtime.connections import ConnectionEvents
+from outbox_relay.runtime.health import Health, stall_threshold
+from outbox_relay.runtime.loop import Loop
+from outbox_relay.runtime.signals import Shutdown, Stop
 
 log = logging.getLogger("resolver")
 

@@ -22,14 +22,26 @@ from psycopg import sql
 
 from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay import backoff
-from relay.config import RelaySettings, ResolverSettings
-from relay.migrate import migrate
-from relay.queries import Tables
+from outbox_relay.relay.settings import RelaySettings
+from outbox_relay.resolver.settings import ResolverSettings
+from outbox_relay.runtime import backoff
+from outbox_relay.schema import migrate
+from outbox_relay.tables import Tables
 
 pytest_plugins = ["tests.fix_proxy"]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def package_sources() -> list[Path]:
+    """The installed package's Python files, each once by its real path: outbox_relay/ without
+    its links, and the folders they link to (relay/, resolver/, sql/)."""
+    found = []
+    for folder in ("outbox_relay", "relay", "resolver", "sql"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if not any(p.is_symlink() for p in path.relative_to(ROOT).parents if p != Path(".")):
+                found.append(path)
+    return found
 
 # Reconnect backoff shrunk for tests (psycopg_pool style).
 backoff.INITIAL_DELAY = 0.05

@@ -36,8 +36,8 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from relay import config, logs
-from relay.errors import ConfigError, describe
+from outbox_relay.errors import ConfigError, describe
+from outbox_relay.runtime import logs, options
 
 log = logging.getLogger("demo-consumer")
 
@@ -64,16 +64,16 @@ def _name(text: str) -> str:
     return text
 
 
-OPTIONS: tuple[config.Option[Any], ...] = (
-    config.AMQP_URL,
-    config.Option("queue", "DEMO_QUEUE", _name, "demo.events",
+OPTIONS: tuple[options.Option[Any], ...] = (
+    options.AMQP_URL,
+    options.Option("queue", "DEMO_QUEUE", _name, "demo.events",
                   "queue to consume (the demo producer declares it)"),
-    config.Option("events", "DEMO_EVENTS", _count, "0",
+    options.Option("events", "DEMO_EVENTS", _count, "0",
                   "stop after this many distinct events (0: run until stopped)"),
-    config.Option("seen_limit", "DEMO_SEEN_LIMIT", _positive_int, "100000",
+    options.Option("seen_limit", "DEMO_SEEN_LIMIT", _positive_int, "100000",
                   "message ids remembered to drop copies (the most recent ones)"),
-    config.LOG_LEVEL,
-    config.LOG_FORMAT,
+    options.LOG_LEVEL,
+    options.LOG_FORMAT,
 )
 
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="consumer.py",
         description="Consume the demo events, dropping copies by message_id. Every flag can "
         "also be set by the environment variable shown in its help.")
-    config.add_options(parser, OPTIONS)
+    options.add_options(parser, OPTIONS)
     return parser
 
 
@@ -161,7 +161,7 @@ def consume(amqp_url: str, queue: str, dedup: Dedup, *, events: int,
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        values = config.resolve(args, OPTIONS)
+        values = options.resolve(args, OPTIONS)
     except ConfigError as exc:
         print(f"consumer.py: error: {exc}", file=sys.stderr)
         return 2

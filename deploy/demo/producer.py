@@ -35,9 +35,10 @@ import pika.exceptions
 import psycopg
 from psycopg.types.json import Jsonb
 
-from relay import config, logs
-from relay.errors import ConfigError, describe
-from relay.queries import Tables, parse_named
+from outbox_relay.errors import ConfigError, describe
+from outbox_relay.runtime import logs, options
+from outbox_relay.sql import parse_named
+from outbox_relay.tables import Tables
 
 log = logging.getLogger("demo-producer")
 
@@ -73,21 +74,21 @@ def _name(text: str) -> str:
     return text
 
 
-OPTIONS: tuple[config.Option[Any], ...] = (
-    config.DATABASE_URL,
-    config.AMQP_URL,
-    config.TABLE,
-    config.Option("rate", "DEMO_RATE", _positive_float, "20", "events inserted per second"),
-    config.Option("events", "DEMO_EVENTS", _count, "0",
+OPTIONS: tuple[options.Option[Any], ...] = (
+    options.DATABASE_URL,
+    options.AMQP_URL,
+    options.TABLE,
+    options.Option("rate", "DEMO_RATE", _positive_float, "20", "events inserted per second"),
+    options.Option("events", "DEMO_EVENTS", _count, "0",
                   "stop after this many events (0: run until stopped)"),
-    config.Option("exchange", "DEMO_EXCHANGE", _name, "demo",
+    options.Option("exchange", "DEMO_EXCHANGE", _name, "demo",
                   "topic exchange the events are published to (declared here)"),
-    config.Option("queue", "DEMO_QUEUE", _name, "demo.events",
+    options.Option("queue", "DEMO_QUEUE", _name, "demo.events",
                   "queue bound to the exchange with '#' (declared here)"),
-    config.Option("queue_max_length", "DEMO_QUEUE_MAX_LENGTH", _positive_int, "10000",
+    options.Option("queue_max_length", "DEMO_QUEUE_MAX_LENGTH", _positive_int, "10000",
                   "messages the unconsumed demo queue keeps (oldest dropped first)"),
-    config.LOG_LEVEL,
-    config.LOG_FORMAT,
+    options.LOG_LEVEL,
+    options.LOG_FORMAT,
 )
 
 
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Insert demo events into the outbox at a steady rate, after declaring an "
         "exchange and a queue that make them routable. Every flag can also be set by the "
         "environment variable shown in its help.")
-    config.add_options(parser, OPTIONS)
+    options.add_options(parser, OPTIONS)
     return parser
 
 
@@ -146,7 +147,7 @@ def produce(conn: psycopg.Connection[Any], table: str, *, exchange: str, rate: f
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        values = config.resolve(args, OPTIONS)
+        values = options.resolve(args, OPTIONS)
     except ConfigError as exc:
         print(f"producer.py: error: {exc}", file=sys.stderr)
         return 2

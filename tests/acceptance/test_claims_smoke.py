@@ -1,6 +1,6 @@
 """The steady-state claim counter (benchmarks/claims.py) runs end to end in a small size, so it
 cannot rot, and counts what it says: with keys held by batches in flight, claims still come back
-full (their rows are stepped over, not locked and left: relay/queries.sql)."""
+full (their rows are stepped over, not locked and left: sql/queries.sql)."""
 
 from __future__ import annotations
 

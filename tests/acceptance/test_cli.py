@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from devenv import launch
 from devenv.servers import PostgresServer
 from tests.conftest import ROOT, Env
 
@@ -18,7 +18,7 @@ SECRET = "s3cr3t-pw"
 
 def run(program: str, *args: str, env: dict[str, str],
         timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", program, *args], env=env, cwd=ROOT,
+    return subprocess.run(launch.command(program, *args), env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -137,7 +137,7 @@ def test_secret_file_forms_reach_the_program_and_a_bad_one_is_one_line(
     (tmp_path / "none").write_text(f"postgresql://app:{SECRET}@127.0.0.1:9/x")
     log_path = tmp_path / "stderr.log"
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", program], env=cli_env, cwd=ROOT,
+        proc = subprocess.Popen(launch.command(program), env=cli_env, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=log_file, text=True)
     try:
         # Wait for its first failed attempt (it tried the servers the files name), however
@@ -155,7 +155,8 @@ def test_secret_file_forms_reach_the_program_and_a_bad_one_is_one_line(
 
 
 def test_help_lists_every_env_var() -> None:
-    from relay.config import RELAY_OPTIONS, RESOLVER_OPTIONS
+    from outbox_relay.relay.settings import RELAY_OPTIONS
+    from outbox_relay.resolver.settings import RESOLVER_OPTIONS
     relay_help = run("relay", "run", "--help", env={"PYTHONPATH": str(ROOT)}).stdout
     resolver_help = run("resolver", "--help", env={"PYTHONPATH": str(ROOT)}).stdout
     for option in RELAY_OPTIONS:

@@ -13,7 +13,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import outbox_count, wait_until
 
@@ -22,7 +22,7 @@ COLUMNS = ("id", "message_id", "exchange", "routing_key", "ordering_key", "paylo
 
 
 def run(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relay", "dead-letter", *args],
+    return subprocess.run([sys.executable, "-m", "outbox_relay.relay", "dead-letter", *args],
                           env=env.cli_env(**extra), cwd=ROOT, capture_output=True, text=True,
                           timeout=30)
 
@@ -131,7 +131,7 @@ def test_requeue_needs_ids_or_all_and_a_migrated_table(env: Env) -> None:
 def test_help_lists_the_dead_letter_options() -> None:
     for sub in ("list", "requeue"):
         help_text = subprocess.run(
-            [sys.executable, "-m", "relay", "dead-letter", sub, "--help"],
+            [sys.executable, "-m", "outbox_relay.relay", "dead-letter", sub, "--help"],
             env={"PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True,
             timeout=30).stdout
         for env_var in ("OUTBOX_DATABASE_URL", "OUTBOX_TABLE", "OUTBOX_CONNECT_TIMEOUT"):

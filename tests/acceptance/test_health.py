@@ -6,15 +6,15 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from devenv import launch
 from devenv.servers import free_port
-from relay.health import Health, stall_threshold
+from outbox_relay.runtime.health import Health, stall_threshold
 from tests.conftest import ROOT, Env
 
 UNREACHABLE_PG = "postgresql://app:pw@127.0.0.1:9/nowhere"
@@ -111,7 +111,7 @@ def test_a_port_in_use_is_a_one_line_config_error(env: Env) -> None:
         port = busy.getsockname()[1]
         for program in ("relay", "resolver"):
             result = subprocess.run(
-                [sys.executable, "-m", program],
+                launch.command(program),
                 env=env.cli_env(OUTBOX_METRICS_PORT=str(port), OUTBOX_METRICS_HOST="127.0.0.1"),
                 cwd=ROOT, capture_output=True, text=True, timeout=30)
             assert result.returncode == 2, result.stderr

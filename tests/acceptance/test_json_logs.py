@@ -10,7 +10,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_pipeline import in_doubt, json_lines, log_of, outbox_count, stop, wait_until
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from devenv import checker
 from devenv.servers import free_port
-from relay import metrics
+from outbox_relay.relay import metrics as relay_metrics
+from outbox_relay.resolver import metrics as resolver_metrics
+from outbox_relay.runtime import metrics
 from tests.conftest import Env
 from tests.integration.test_pipeline import outbox_count, wait_until
 
@@ -29,7 +31,8 @@ def scrape(port: int) -> str:
 
 def declared_metrics(program: str) -> set[str]:
     """The metrics ``program`` declares (docs/operations.md's table is generated from them)."""
-    registry = (metrics.RelayMetrics() if program == "relay" else metrics.ResolverMetrics()).registry
+    registry = (relay_metrics.RelayMetrics() if program == "relay"
+                else resolver_metrics.ResolverMetrics()).registry
     return {described.name for described in metrics.describe(registry)}
 
 

@@ -19,7 +19,9 @@ import yaml
 
 from devenv import checker
 from devenv.servers import free_port
-from relay import metrics
+from outbox_relay.relay import metrics as relay_metrics
+from outbox_relay.resolver import metrics as resolver_metrics
+from outbox_relay.runtime import metrics
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import log_of, outbox_count, wait_until
 
@@ -131,8 +133,8 @@ def test_prometheus_scrapes_every_metric_and_dashboard_query(env: Env, tmp_path:
         stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"))
     try:
         wait_until(lambda: outbox_count(env) == 0, 60, "the relay to publish")
-        names = [described.name for registry in (metrics.RelayMetrics().registry,
-                                                 metrics.ResolverMetrics().registry)
+        names = [described.name for registry in (relay_metrics.RelayMetrics().registry,
+                                                 resolver_metrics.ResolverMetrics().registry)
                  for described in metrics.describe(registry)]
         # A histogram's series are NAME_bucket, NAME_count and NAME_sum.
         queries = dashboard_queries() + [f'{{__name__=~"{n}|{n}_count"}}' for n in names]

@@ -9,8 +9,8 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from relay.queries import Tables
-from relay.store import OutboxStore
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 
 MB = 1 << 20

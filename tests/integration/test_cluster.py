@@ -175,7 +175,7 @@ def test_the_ledger_is_replicated_and_a_single_replica_one_is_refused(
         conn.channel().queue_declare(single, durable=True, arguments={
             "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 1})
         conn.close()
-        result = subprocess.run([sys.executable, "-m", "relay"], cwd=ROOT, timeout=60,
+        result = subprocess.run([sys.executable, "-m", "outbox_relay.relay"], cwd=ROOT, timeout=60,
                                 env=env.cli_env(OUTBOX_LEDGER_STREAM=single, **FAST),
                                 capture_output=True, text=True)
         assert result.returncode == 3, result.stderr

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from devenv import checker
-from relay.faults import CRASH_POINTS
+from outbox_relay.relay.faults import CRASH_POINTS
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
@@ -55,7 +55,7 @@ def test_sigkill_at_each_step(env: Env, crash_at: str, keys: int) -> None:
             assert len(held) == BATCH  # the in-doubt rows stayed locked and unpublished
     else:
         early = []
-    resolved = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+    resolved = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(),
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert resolved.returncode == 0, resolved.stderr
     assert in_doubt(env) == []

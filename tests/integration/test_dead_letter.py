@@ -8,7 +8,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_smoke_pipeline import make_relay
 

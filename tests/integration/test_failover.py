@@ -20,7 +20,7 @@ from psycopg import sql
 
 from devenv import checker
 from devenv.servers import PostgresPair, RabbitServer
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
@@ -45,7 +45,7 @@ def pair_env(pair: PostgresPair, rabbit: RabbitServer | External) -> Env:
 
 
 def resolve_once(env: Env) -> None:
-    result = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+    result = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(),
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
 

@@ -17,8 +17,8 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker
-from relay.queries import Tables
-from relay.signals import Shutdown
+from outbox_relay.runtime.signals import Shutdown
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 from tests.integration.test_smoke_pipeline import make_relay
@@ -264,7 +264,7 @@ def test_dead_letter_id_collisions_never_drop_a_row(env: Env) -> None:
 def no_frame_check(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The relay believes frame_max is huge: its header-frame check lets anything through, like
     a poison row of a kind nobody foresaw."""
-    from relay.publisher import AmqpPublisher
+    from outbox_relay.relay.publisher import AmqpPublisher
 
     monkeypatch.setattr(AmqpPublisher, "frame_max", property(lambda _self: 1 << 40))
     yield

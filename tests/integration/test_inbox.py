@@ -469,7 +469,7 @@ def test_outbox_inbox_cli_migrates_prunes_and_prints(consumer: Consumer) -> None
                                OUTBOX_INBOX_TABLE=table)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "relay.inbox_cli", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "outbox_relay.inbox_cli", *args], env=env,
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     try:

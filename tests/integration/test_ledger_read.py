@@ -8,7 +8,8 @@ from typing import Any
 
 import pika
 
-from relay import amqp, ledger
+from outbox_relay import ledger, rabbitmq
+from outbox_relay.resolver import ledger as ledger_reader
 from tests.conftest import Env
 
 KEY = b"k" * 32
@@ -32,7 +33,7 @@ def _publish_marker(conn: Any, url: str, stream: str) -> tuple[Any, str]:
     marker = ledger.new_marker()
     try:
         conn.channel().basic_publish(stream, stream, ledger.marker_record(KEY, marker))
-    except amqp.CONNECTION_ERRORS:
+    except rabbitmq.CONNECTION_ERRORS:
         conn = pika.BlockingConnection(pika.URLParameters(url))
         conn.channel().basic_publish(stream, stream, ledger.marker_record(KEY, marker))
     return conn, marker
@@ -48,7 +49,7 @@ def test_marker_read_survives_records_arriving_behind_the_marker(env: Env) -> No
                                 args=(stop, env.amqp_url, env.ledger_stream, env.gid_prefix))
     try:
         channel = conn.channel()
-        amqp.declare_ledger(channel, env.ledger_stream, "7D")
+        rabbitmq.declare_ledger(channel, env.ledger_stream, "7D")
         since = datetime.now(timezone.utc) - timedelta(seconds=1)
         gids = {f"{env.gid_prefix}:0000000a:{n}": n for n in range(1, 51)}
         for gid, xid in sorted(gids.items()):
@@ -58,7 +59,7 @@ def test_marker_read_survives_records_arriving_behind_the_marker(env: Env) -> No
         appender.start()
         for _attempt in range(5):
             conn, marker = _publish_marker(conn, env.amqp_url, env.ledger_stream)
-            found = ledger.read_until_marker(conn, env.ledger_stream, since, marker, key=KEY,
+            found = ledger_reader.read_until_marker(conn, env.ledger_stream, since, marker, key=KEY,
                                              candidates=candidates, idle_timeout=30)
             assert set(found) == set(gids)  # only the candidates are kept
             # Ending the read rejected nothing, so the broker kept the connection open.

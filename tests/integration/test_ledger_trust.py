@@ -21,10 +21,10 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay import ledger
-from relay.queries import Tables
+from outbox_relay import ledger
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_hostile_rows import dead_letters, insert
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -52,7 +52,7 @@ def tenv(pg_server: PostgresServer | External, rabbit: RabbitServer) -> Iterator
 
 def resolve_once(env: Env, **extra: str) -> tuple[int, list[dict[str, Any]]]:
     """``outbox-resolver --once`` with JSON logs: (exit code, log lines)."""
-    done = subprocess.run([sys.executable, "-m", "resolver", "--once"],
+    done = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"],
                           env=env.cli_env(OUTBOX_LOG_FORMAT="json", **extra),
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
@@ -208,12 +208,12 @@ def test_missing_ledger_key_stops_relay_and_resolver_at_start(tenv: Env) -> None
         conn.execute(sql.SQL("DROP TABLE {}").format(Tables(env.table).ledger_key))
     for program in ("relay", "resolver"):
         args = ["--once"] if program == "resolver" else []
-        done = subprocess.run([sys.executable, "-m", program, *args], env=env.cli_env(),
+        done = subprocess.run(launch.command(program, *args), env=env.cli_env(),
                               capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
         assert done.returncode == 3, done.stderr
         lines = [line for line in done.stderr.splitlines() if "ledger key" in line]
         assert len(lines) == 1 and "run `outbox-relay migrate`" in lines[0], done.stderr
-    migrated = subprocess.run([sys.executable, "-m", "relay", "migrate"], env=env.cli_env(),
+    migrated = subprocess.run([sys.executable, "-m", "outbox_relay.relay", "migrate"], env=env.cli_env(),
                               capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert migrated.returncode == 0, migrated.stderr
     assert len(ledger_key(env)) == 32
@@ -231,7 +231,7 @@ def test_unreadable_ledger_key_stops_the_relay_at_start(tenv: Env) -> None:
         conn.execute(sql.SQL("GRANT INSERT, SELECT (ordering_key) ON {} TO {}").format(
             tables.dead_letter, sql.Identifier(role)))
     try:
-        done = subprocess.run([sys.executable, "-m", "relay"],
+        done = subprocess.run([sys.executable, "-m", "outbox_relay.relay"],
                               env=env.cli_env(OUTBOX_DATABASE_URL=with_user(env.db_url, role,
                                                                             password)),
                               capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
@@ -251,7 +251,7 @@ def test_ledger_name_the_broker_refuses_is_a_startup_error(tenv: Env, rabbit: Ra
     try:
         for program in ("relay", "resolver"):
             done = subprocess.run(
-                [sys.executable, "-m", program], capture_output=True, text=True, timeout=60,
+                launch.command(program), capture_output=True, text=True, timeout=60,
                 cwd=ROOT, check=False,
                 env=env.cli_env(OUTBOX_AMQP_URL=with_user(env.amqp_url, user, password),
                                 OUTBOX_RECONNECT_MAX_DELAY="0.5"))

@@ -11,8 +11,8 @@ import sys
 from psycopg import sql
 
 from devenv import checker
-from relay.migrate import migrate
-from relay.queries import Tables
+from outbox_relay.schema import migrate
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import outbox_count, stop, wait_until
 
@@ -55,7 +55,7 @@ CREATE TABLE {dead_letter} (
 
 
 def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relay", *args], env=env.cli_env(),
+    return subprocess.run([sys.executable, "-m", "outbox_relay.relay", *args], env=env.cli_env(),
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 

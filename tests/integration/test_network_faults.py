@@ -22,7 +22,7 @@ import pika.exceptions
 
 from devenv import checker
 from devenv.proxy import Proxy
-from relay import amqp
+from outbox_relay import rabbitmq
 from tests.conftest import ROOT, Env
 from tests.fix_proxy import ProxyFactory
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -51,7 +51,7 @@ def spawn_relay(env: Env, pg: Proxy, mq: Proxy, **extra: str) -> subprocess.Pope
 
 def resolve_once(env: Env) -> str:
     """One resolver pass straight at the servers; returns its log."""
-    result = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+    result = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(),
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     return result.stderr
@@ -100,7 +100,7 @@ def ledger_gids(env: Env) -> set[str]:
                 gids.add(record["gid"])
             channel.basic_ack(method.delivery_tag)
     finally:
-        with contextlib.suppress(pika.exceptions.AMQPError, *amqp.CONNECTION_ERRORS):
+        with contextlib.suppress(pika.exceptions.AMQPError, *rabbitmq.CONNECTION_ERRORS):
             conn.close()  # a stream may answer the cancel's reject by closing the connection
     return gids
 

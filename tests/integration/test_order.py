@@ -1,5 +1,5 @@
 """Per-key order on real servers: the claim holds a key back behind a batch in flight, a retry
-or a dead letter, and never lets a held-back key fill a batch (relay/queries.sql)."""
+or a dead letter, and never lets a held-back key fill a batch (sql/queries.sql)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 from psycopg import sql
 
 from devenv import checker
-from relay.dead_letter import requeue
-from relay.errors import StartupCheckError
-from relay.queries import Tables
-from relay.store import OutboxStore, blocked_keys
+from outbox_relay.errors import StartupCheckError
+from outbox_relay.relay.dead_letter import requeue
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.resolver.store import blocked_keys
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_pipeline import json_lines, log_of, outbox_count, stop, wait_until
 

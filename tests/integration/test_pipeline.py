@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 from devenv import checker
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 
 
@@ -112,7 +112,7 @@ def test_killed_relay_is_recovered_by_the_resolver(
     gids = in_doubt(env)
     assert len(gids) == 1, gids
     resolver = subprocess.run(
-        [sys.executable, "-m", "resolver", "--once"], env=env.cli_env(), capture_output=True,
+        [sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(), capture_output=True,
         timeout=60, text=True)
     assert resolver.returncode == 0, resolver.stderr
     expected = "committed" if crash_at == "after_ledger" else "rolled back"
@@ -139,13 +139,13 @@ def test_resolver_leaves_a_live_relays_young_batch_alone(env: Env) -> None:
     wait_until(lambda: relay.poll() is not None, 30, "the crash")
     gid = in_doubt(env)[0]
     # Simulate the live relay: a session holding that relay's instance lock.
-    from relay.gid import Gid, lock_class
+    from outbox_relay.gid import Gid, lock_class
     parsed = Gid.parse(gid)
     assert parsed is not None
     with env.connect() as holder:
         holder.execute("SELECT pg_advisory_lock(%s, %s)",
                        (lock_class(env.gid_prefix), parsed.instance))
-        once = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+        once = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(),
                               capture_output=True, timeout=60, text=True)
         assert once.returncode == 0, once.stderr
         assert in_doubt(env) == [gid]
@@ -154,7 +154,7 @@ def test_resolver_leaves_a_live_relays_young_batch_alone(env: Env) -> None:
             "SELECT now() - prepared > interval '1.5 s' FROM pg_prepared_xacts WHERE gid = %s",
             (gid,)).fetchone() == (True,), 10, "the batch to age")
         once = subprocess.run(
-            [sys.executable, "-m", "resolver", "--once"],
+            [sys.executable, "-m", "outbox_relay.resolver", "--once"],
             env=env.cli_env(OUTBOX_RESOLVER_HARD_LIMIT="1"), capture_output=True, timeout=60,
             text=True)
         assert once.returncode == 0, once.stderr
@@ -197,7 +197,7 @@ def test_two_resolvers_at_once_finish_each_batch_once(env: Env) -> None:
         proc = env.spawn("relay", OUTBOX_BATCH_SIZE="10", OUTBOX_TEST_CRASH_AT=crash_at)
         assert proc.wait(30) == -signal.SIGKILL
     assert len(in_doubt(env)) == 2
-    resolvers = [subprocess.Popen([sys.executable, "-m", "resolver", "--once"],
+    resolvers = [subprocess.Popen([sys.executable, "-m", "outbox_relay.resolver", "--once"],
                                   env=env.cli_env(), stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
     outputs = [p.communicate(timeout=60)[1] for p in resolvers]
@@ -223,7 +223,7 @@ def test_foreign_prepared_transaction_is_never_touched(env: Env) -> None:
             conn.execute("SELECT 1")
             conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
     try:
-        once = subprocess.run([sys.executable, "-m", "resolver", "--once"],
+        once = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"],
                               env=env.cli_env(OUTBOX_RESOLVER_HARD_LIMIT="0.1"),
                               capture_output=True, timeout=60, text=True)
         assert once.returncode == 0, once.stderr

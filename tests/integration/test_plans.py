@@ -12,7 +12,7 @@ replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE runs the cached 
 - no plan node runs more than once per execution: a per-row rescan of a CTE or subquery shows
   as a node run once per outbox row (their row locks are taken in an ARRAY(SELECT ...)
   InitPlan, run once). The one exception is the claim's per-key checks on rows with an
-  ordering_key (relay/queries.sql): index probes of the key indexes (SubPlans, and the inner
+  ordering_key (sql/queries.sql): index probes of the key indexes (SubPlans, and the inner
   side of the claim's one join, a LATERAL read of each row's key head), at most one per
   batch row each, and each reads a few index entries;
 - the rows all plan nodes handle (returned plus filtered out, times loops) stay within a small
@@ -32,9 +32,9 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from relay import store
-from relay.queries import Tables
-from relay.store import OutboxStore
+from outbox_relay.relay import store
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 
 ROWS = 50_000
@@ -422,7 +422,7 @@ def test_the_claim_sorts_a_keyed_batch_once(env: Env) -> None:
     """The claim's windows want the batch in id order (the byte budget) and in key order (the
     per-key checks, at two levels): the rows come locked in id order already, and with the
     key window named first, the first level hands the second its rows in key order
-    (relay/queries.sql). One sort of the batch, by key."""
+    (sql/queries.sql). One sort of the batch, by key."""
     tables = Tables(env.table)
     with env.connect() as admin, env.connect() as claim_conn:
         _insert(admin, tables.outbox, 2 * BATCH, keys=KEYS)

@@ -32,7 +32,7 @@ from outbox_relay import (
     enqueue,
     enqueue_many,
 )
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import log_of, outbox_count, stop, wait_until
 

@@ -50,7 +50,7 @@ def own_env(own_pg: PostgresServer, own_rabbit: RabbitServer) -> Iterator[Env]:
 
 
 def resolve_once(env: Env) -> None:
-    result = subprocess.run([sys.executable, "-m", "resolver", "--once"], env=env.cli_env(),
+    result = subprocess.run([sys.executable, "-m", "outbox_relay.resolver", "--once"], env=env.cli_env(),
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
 

@@ -12,7 +12,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import psycopg
@@ -20,9 +19,9 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from devenv import checker
+from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
-from relay.queries import Tables
+from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
@@ -116,7 +115,8 @@ def amqp_users(renv: Env, rabbit: RabbitServer) -> Iterator[dict[str, str]]:
 
 
 def run_cli(env: Env, program: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", program, *args], env=env.cli_env(**extra),
+    return subprocess.run(launch.command(program, *args),
+                          env=env.cli_env(**extra),
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from devenv import checker
-from relay.publisher import AmqpPublisher
-from relay.store import OutboxStore
-from relay.worker import Relay
+from outbox_relay.relay.publisher import AmqpPublisher
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.relay.worker import Relay
 from tests.conftest import Env
 
 
@@ -44,7 +44,7 @@ def test_a_mixed_case_schema_qualified_table_works_end_to_end(env: Env) -> None:
     import psycopg
     from psycopg import sql
 
-    from relay.migrate import migrate
+    from outbox_relay.schema import migrate
 
     mixed = Env(**{**env.__dict__, "table": f"OutboxSchema_{env.gid_prefix}.Events",
                    "processes": []})

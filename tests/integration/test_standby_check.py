@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from devenv.servers import PostgresPair, RabbitServer
-from relay.errors import StartupCheckError
-from relay.store import check_standbys
+from outbox_relay.errors import StartupCheckError
+from outbox_relay.postgres import check_standbys
 from tests.conftest import ROOT, External, finish_env, make_env, server_url
 
 
@@ -40,7 +40,7 @@ def test_a_standby_below_the_primary_is_refused_by_both_programs(
         check_standbys(lowered.url, conn, 3.0)
     env = make_env(lowered.url, server_url(rabbit_server), tag="s")
     try:
-        for args in (["relay"], ["resolver", "--once"]):
+        for args in (["outbox_relay.relay"], ["outbox_relay.resolver", "--once"]):
             done = subprocess.run([sys.executable, "-m", *args], env=env.cli_env(), cwd=ROOT,
                                   capture_output=True, text=True, timeout=60)
             assert done.returncode == 3, done.stderr

@@ -8,10 +8,10 @@ import time
 import pytest
 from psycopg import sql
 
-from relay.gid import Gid, lock_class
-from relay.metrics import ResolverMetrics
-from relay.queries import Tables
-from resolver.worker import Resolver
+from outbox_relay.gid import Gid, lock_class
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.worker import Resolver
+from outbox_relay.tables import Tables
 from tests.conftest import Env
 
 INSTANCE = 0x5EED

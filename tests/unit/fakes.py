@@ -19,7 +19,7 @@ is one PostgreSQL server's prepared transactions and session-level advisory lock
 the sessions opened on it (``FakePreparedStore``: one per resolver, ``relay_session`` for a
 live relay), with the server's rules: only the preparing role or a superuser may finish a
 transaction, one that no longer exists is "already finished" (42704), a session's locks go
-with it. ``FakeLedger`` holds records and applies the real checks (``relay.ledger.check_batch``)
+with it. ``FakeLedger`` holds records and applies the real checks (``outbox_relay.ledger.check_batch``)
 to those from the read's start time on.
 """
 
@@ -34,9 +34,9 @@ from typing import Any
 
 import psycopg
 
-from relay import ledger
-from relay.errors import DatabaseError, TransientError
-from relay.model import (
+from outbox_relay import ledger
+from outbox_relay.errors import DatabaseError, TransientError
+from outbox_relay.model import (
     Failure,
     HorizonHolder,
     Message,
@@ -46,7 +46,7 @@ from relay.model import (
     Reason,
     SessionRole,
 )
-from relay.store import is_connection_error, translate
+from outbox_relay.postgres import is_connection_error, translate
 
 CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
@@ -204,7 +204,7 @@ class FakeStore(_Scripted):
 
     def _translate(self, exc: BaseException) -> BaseException:
         # The real store lets no psycopg error out: tests script driver errors, the relay
-        # sees relay.errors, as from relay.store.OutboxStore.
+        # sees outbox_relay.errors, as from outbox_relay.relay.store.OutboxStore.
         return translate(exc) if isinstance(exc, psycopg.Error) else exc
     def add(self, *, routing_key: str = "event.created", exchange: str = "events",
             payload: str | None = '{"n": 1}', payload_bytes: bytes | None = None,
@@ -545,7 +545,7 @@ class FakePublisher(_Scripted):
 
 
 class StopWhen:
-    """A shutdown (``relay.signals.Stop``) that stops once ``predicate()`` is true and records
+    """A shutdown (``outbox_relay.runtime.signals.Stop``) that stops once ``predicate()`` is true and records
     the loop's waits instead of sleeping them."""
 
     def __init__(self, predicate: Callable[[], bool] = lambda: False) -> None:

@@ -8,7 +8,7 @@ import pika
 import pytest
 from pika import frame, spec
 
-from relay.amqp import coalesced_writes
+from outbox_relay.rabbitmq import coalesced_writes
 
 
 class _Impl:
@@ -61,11 +61,11 @@ def test_nothing_is_written_to_a_closed_transport() -> None:
 
 
 def test_large_frames_go_as_they_are_and_joins_stay_bounded() -> None:
-    from relay import amqp
+    from outbox_relay import rabbitmq
 
     conn = _Conn()
     small = [b"s" * 1000 for _ in range(3000)]  # 3 MB of small frames
-    big = b"B" * (amqp.LARGE_FRAME_BYTES + 1)
+    big = b"B" * (rabbitmq.LARGE_FRAME_BYTES + 1)
     with coalesced_writes(conn):
         for data in small[:10]:
             conn._impl._adapter_emit_data(data)
@@ -75,5 +75,5 @@ def test_large_frames_go_as_they_are_and_joins_stay_bounded() -> None:
     writes = conn._impl.writes
     assert b"".join(writes) == b"".join(small[:10]) + big + b"".join(small[10:])
     assert writes[1] is big  # not copied into a join
-    assert max(len(w) for w in writes if w is not big) <= amqp.COALESCE_BYTES + 1000
+    assert max(len(w) for w in writes if w is not big) <= rabbitmq.COALESCE_BYTES + 1000
     assert len(writes) <= 6

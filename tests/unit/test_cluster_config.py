@@ -8,12 +8,14 @@ from typing import Any
 import pika.exceptions
 import pytest
 
-from relay import amqp, config, store
-from relay import publisher as publisher_module
-from relay.config import RELAY_OPTIONS, resolve
-from relay.errors import ConfigError, StartupCheckError, TransientError
-from relay.logs import redact
-from relay.model import Reason
+from outbox_relay import rabbitmq
+from outbox_relay.errors import ConfigError, StartupCheckError, TransientError
+from outbox_relay.model import Reason
+from outbox_relay.relay import publisher as publisher_module
+from outbox_relay.relay import store
+from outbox_relay.relay.settings import RELAY_OPTIONS
+from outbox_relay.runtime.logs import redact
+from outbox_relay.runtime.options import resolve
 from tests.unit.test_config import ns
 
 DB = "postgresql://relay:pw@db:5432/app"
@@ -27,7 +29,7 @@ def values(amqp_url: str) -> dict[str, Any]:
 
 def test_a_comma_separated_list_of_urls_is_accepted_and_split() -> None:
     url = values(THREE)["amqp_url"]
-    assert config.amqp_urls(url) == [
+    assert rabbitmq.amqp_urls(url) == [
         "amqp://relay:s3cret@mq-0:5672/%2F", "amqp://relay:s3cret@mq-1:5673/%2F",
         "amqp://relay:s3cret@mq-2:5674/%2F"]
 
@@ -54,7 +56,7 @@ def test_a_list_never_shows_a_password_in_a_log_line() -> None:
 def test_pika_gets_one_parameter_set_per_node_in_a_random_order() -> None:
     orders = set()
     for _ in range(50):
-        params = amqp.connection_parameters(THREE, timeout=3, name="t")
+        params = rabbitmq.connection_parameters(THREE, timeout=3, name="t")
         assert all(p.connection_attempts == 1 and p.socket_timeout == 3 for p in params)
         orders.add(tuple(p.port for p in params))
     assert {frozenset(o) for o in orders} == {frozenset({5672, 5673, 5674})}
@@ -64,8 +66,8 @@ def test_pika_gets_one_parameter_set_per_node_in_a_random_order() -> None:
 @pytest.mark.parametrize(("urls", "replicas"), [(1, 1), (2, 2), (3, 3), (5, 3)])
 def test_the_ledger_gets_one_replica_per_node_three_at_most(urls: int, replicas: int) -> None:
     url = ",".join(f"amqp://g:g@mq-{n}/" for n in range(urls))
-    assert amqp.ledger_replicas(url) == replicas
-    arguments = amqp.ledger_arguments("7D", replicas)
+    assert rabbitmq.ledger_replicas(url) == replicas
+    arguments = rabbitmq.ledger_arguments("7D", replicas)
     assert arguments.get("x-initial-cluster-size") == (replicas if replicas > 1 else None)
 
 
@@ -92,7 +94,7 @@ class Channel:
 
 def declare(existing: str | None, replicas: int) -> list[dict[str, Any]]:
     declared: list[dict[str, Any]] = []
-    amqp.declare_ledger(Channel(existing, declared), "ledger", "7D", replicas=replicas,
+    rabbitmq.declare_ledger(Channel(existing, declared), "ledger", "7D", replicas=replicas,
                         reopen=lambda: Channel(existing, declared))
     return declared
 

@@ -11,15 +11,12 @@ from typing import Any
 
 import pytest
 
-from relay import config
-from relay.config import (
-    RELAY_OPTIONS,
-    RESOLVER_OPTIONS,
-    RelaySettings,
-    ResolverSettings,
-    resolve,
-)
-from relay.errors import ConfigError
+from outbox_relay import tables
+from outbox_relay.errors import ConfigError
+from outbox_relay.relay.settings import RELAY_OPTIONS, RelaySettings
+from outbox_relay.resolver.settings import RESOLVER_OPTIONS, ResolverSettings
+from outbox_relay.runtime import options
+from outbox_relay.runtime.options import resolve
 
 REQUIRED = {"OUTBOX_DATABASE_URL": "postgresql://relay:pw@db:5432/app",
             "OUTBOX_AMQP_URL": "amqp://relay:pw@mq:5672/"}
@@ -82,7 +79,7 @@ def test_resolve_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(("options", "settings"), [
     (RELAY_OPTIONS, RelaySettings), (RESOLVER_OPTIONS, ResolverSettings)])
-def test_option_defaults_match_the_settings_defaults(options: tuple[config.Option[Any], ...],
+def test_option_defaults_match_the_settings_defaults(options: tuple[options.Option[Any], ...],
                                                       settings: type[Any]) -> None:
     values = resolve(ns(), options, REQUIRED)
     defaults = {f.name: f.default for f in dataclasses.fields(settings)
@@ -94,7 +91,7 @@ def test_option_defaults_match_the_settings_defaults(options: tuple[config.Optio
 
 def test_add_options_makes_flags_whose_help_names_the_env_var() -> None:
     parser = argparse.ArgumentParser()
-    config.add_options(parser, RELAY_OPTIONS)
+    options.add_options(parser, RELAY_OPTIONS)
     help_text = " ".join(parser.format_help().split())
 
     assert parser.parse_args(["--batch-size", "3"]).batch_size == "3"
@@ -105,16 +102,16 @@ def test_add_options_makes_flags_whose_help_names_the_env_var() -> None:
 
 def test_each_settings_field_is_declared_by_an_option_of_the_same_name() -> None:
     for settings in (RelaySettings, ResolverSettings):
-        options = config.options_of(settings)
-        assert [o.dest for o in options] == [f.name for f in dataclasses.fields(settings)]
-        assert len({o.env for o in options}) == len(options)
+        declared = options.options_of(settings)
+        assert [o.dest for o in declared] == [f.name for f in dataclasses.fields(settings)]
+        assert len({o.env for o in declared}) == len(declared)
 
     @dataclasses.dataclass(frozen=True)
     class Undeclared:
         batch_size: int = 5
 
     with pytest.raises(TypeError, match=r"Undeclared\.batch_size is not declared"):
-        config.options_of(Undeclared)
+        options.options_of(Undeclared)
 
 
 def test_settings_fields_have_the_type_their_parser_returns() -> None:
@@ -152,9 +149,9 @@ def test_bad_amqp_url_is_refused_without_showing_it(url: str) -> None:
     assert message == "OUTBOX_AMQP_URL must start with amqp:// or amqps:// (got <hidden>)"
 
 
-@pytest.mark.parametrize("option", [config.DATABASE_URL, config.AMQP_URL])
+@pytest.mark.parametrize("option", [options.DATABASE_URL, options.AMQP_URL])
 def test_secret_urls_are_read_from_the_file_their_FILE_variable_names(
-    option: config.Option[Any], tmp_path: Path
+    option: options.Option[Any], tmp_path: Path
 ) -> None:
     secret = tmp_path / "url"
     secret.write_text(REQUIRED[option.env] + "\n")  # as `echo url > file` writes it
@@ -223,8 +220,8 @@ def test_a_bad_url_in_a_secret_file_names_the_FILE_variable_and_hides_the_url(tm
 
 def test_only_secrets_have_a_FILE_form() -> None:
     assert {o.env for o in RELAY_OPTIONS if o.file_env} == {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"}
-    assert "OUTBOX_TABLE_FILE" not in config.env_names(RELAY_OPTIONS)
-    assert "OUTBOX_AMQP_URL_FILE" in config.env_names(RESOLVER_OPTIONS)
+    assert "OUTBOX_TABLE_FILE" not in options.env_names(RELAY_OPTIONS)
+    assert "OUTBOX_AMQP_URL_FILE" in options.env_names(RESOLVER_OPTIONS)
 
 
 def test_bad_url_given_as_flag_names_the_flag_and_hides_it() -> None:
@@ -262,7 +259,7 @@ def test_bad_table_names_are_refused(name: str) -> None:
 @pytest.mark.parametrize("name", ["outbox", "myschema.outbox", "a" * 40, "_x", "S1.T_2",
                                   "a" * 40 + "." + "b" * 40])
 def test_plain_table_names_are_accepted(name: str) -> None:
-    assert config.table_name(name) == name
+    assert tables.table_name(name) == name
 
 
 @pytest.mark.parametrize("prefix", ["a" * 33, "Outbox", "1relay", "out'box", 'out"box', "a:b",

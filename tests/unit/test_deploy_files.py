@@ -21,10 +21,14 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import cli as relay_cli
-from relay import config, metrics
-from relay.health import Health
-from resolver import cli as resolver_cli
+from outbox_relay.relay import cli as relay_cli
+from outbox_relay.relay import metrics as relay_metrics
+from outbox_relay.relay import settings as relay_settings
+from outbox_relay.resolver import cli as resolver_cli
+from outbox_relay.resolver import metrics as resolver_metrics
+from outbox_relay.resolver import settings as resolver_settings
+from outbox_relay.runtime import http, metrics, options
+from outbox_relay.runtime.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -36,7 +40,8 @@ CONSUMER = ROOT / "deploy" / "demo" / "consumer.py"
 
 # -- what each service runs -----------------------------------------------------------------
 
-PROGRAMS = {"outbox-relay": "relay.cli:main", "outbox-resolver": "resolver.cli:main"}
+PROGRAMS = {"outbox-relay": "outbox_relay.relay.cli:main",
+            "outbox-resolver": "outbox_relay.resolver.cli:main"}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def _command(service: dict[str, Any]) -> list[str]:
     return command
 
 
-def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[config.Option, ...]]:
+def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[options.Option, ...]]:
     """The program a service runs, its parsed arguments and the options it reads."""
     command = _command(service)
     program, args = command[0], command[1:]
@@ -74,7 +79,7 @@ def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[co
                 return 0
             return run
 
-        # relay.cli.main's own dispatch ("run" is the default), with the work replaced.
+        # outbox_relay.relay.cli.main's own dispatch ("run" is the default), with the work replaced.
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(relay_cli, "_run", capture("run"))
             patch.setattr(relay_cli, "_migrate", capture("migrate"))
@@ -82,9 +87,9 @@ def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[co
         ((command_name, namespace),) = seen.items()
         if command_name == "migrate":
             return "outbox-relay migrate", namespace, tuple(relay_cli.MIGRATE_OPTIONS)
-        return "outbox-relay", namespace, config.RELAY_OPTIONS
+        return "outbox-relay", namespace, relay_settings.RELAY_OPTIONS
     if program == "outbox-resolver":
-        return program, resolver_cli.build_parser().parse_args(args), config.RESOLVER_OPTIONS
+        return program, resolver_cli.build_parser().parse_args(args), resolver_settings.RESOLVER_OPTIONS
     raise AssertionError(f"{program!r} is not one of {sorted(PROGRAMS)}")
 
 
@@ -109,7 +114,7 @@ def test_console_scripts_exist() -> None:
     section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     scripts = dict(re.findall(r'^\s*"?([\w.-]+)"?\s*=\s*"([^"]+)"', section, re.M))
     # The two programs, and the consumers' inbox tool (not a service of the deployment).
-    assert scripts == {**PROGRAMS, "outbox-inbox": "relay.inbox_cli:main"}
+    assert scripts == {**PROGRAMS, "outbox-inbox": "outbox_relay.inbox_cli:main"}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -128,9 +133,9 @@ def test_service_uses_the_project_image(services: dict[str, dict[str, Any]], nam
 def test_every_outbox_variable_is_an_option_with_a_valid_value(
     services: dict[str, dict[str, Any]], name: str
 ) -> None:
-    _program_name, _namespace, options = _program(services[name])
-    by_env = {option.env: option for option in options}
-    assert len(by_env) == len(options), "two options share an environment variable"
+    _program_name, _namespace, declared = _program(services[name])
+    by_env = {option.env: option for option in declared}
+    assert len(by_env) == len(declared), "two options share an environment variable"
     env = _environment(services[name])
     assert any(key.startswith("OUTBOX_") for key in env)
     for key, value in env.items():
@@ -145,12 +150,12 @@ def test_every_outbox_variable_is_an_option_with_a_valid_value(
 
 def _settings(service: dict[str, Any]) -> dict[str, Any]:
     """What the program resolves from its command line and this environment alone."""
-    program, namespace, options = _program(service)
-    values = config.resolve(namespace, options, environ=_environment(service))
+    program, namespace, declared = _program(service)
+    values = options.resolve(namespace, declared, environ=_environment(service))
     if program == "outbox-relay":
-        config.RelaySettings(**values)  # the cross-checks of __post_init__
+        relay_settings.RelaySettings(**values)  # the cross-checks of __post_init__
     elif program == "outbox-resolver":
-        config.ResolverSettings(**values)
+        resolver_settings.ResolverSettings(**values)
     return values
 
 
@@ -274,7 +279,7 @@ def _demo_values(services: dict[str, dict[str, Any]], name: str, script: Path) -
         assert key in by_env, f"{name}: {key} is not read by {script.name}"
         by_env[key].parse(value)
     args = module.build_parser().parse_args(_command(services[name])[2:])
-    return config.resolve(args, module.OPTIONS, environ=env)  # type: ignore[no-any-return]
+    return options.resolve(args, module.OPTIONS, environ=env)  # type: ignore[no-any-return]
 
 
 def test_demo_environment_is_their_settings_and_matches_the_relay(
@@ -353,7 +358,7 @@ def test_healthchecks_ask_readyz_and_work_in_the_image(
     # The same command against a real metrics server: exit 0 when ready, not when not.
     health = Health(("postgresql",), stall_after=30)
     served = _free_port()
-    server = metrics.serve(metrics.ResolverMetrics().registry, "127.0.0.1", served, health)
+    server = http.serve(resolver_metrics.ResolverMetrics().registry, "127.0.0.1", served, health)
     assert server is not None
     try:
         command = [sys.executable, "-c", test[3].replace(f":{port}/", f":{served}/")]
@@ -418,7 +423,8 @@ def test_dockerfile_runs_either_program() -> None:
     cmds = [json.loads(rest) for keyword, rest in stage if keyword == "CMD"]
     assert cmds[-1] == ["outbox-relay"]
     exposed = {int(port) for keyword, rest in stage if keyword == "EXPOSE" for port in rest.split()}
-    defaults = {int(option.default or 0) for option in (*config.RELAY_OPTIONS, *config.RESOLVER_OPTIONS)
+    defaults = {int(option.default or 0)
+                for option in (*relay_settings.RELAY_OPTIONS, *resolver_settings.RESOLVER_OPTIONS)
                 if option.dest == "metrics_port"}
     assert exposed == defaults == {9460, 9461}
     env = " ".join(rest for keyword, rest in stage if keyword == "ENV")
@@ -432,8 +438,8 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-relay.json"
 
 def declared_metrics() -> set[str]:
     """The metrics both programs declare (docs/operations.md's table is generated from these)."""
-    return {described.name for registry in (metrics.RelayMetrics().registry,
-                                            metrics.ResolverMetrics().registry)
+    return {described.name for registry in (relay_metrics.RelayMetrics().registry,
+                                            resolver_metrics.ResolverMetrics().registry)
             for described in metrics.describe(registry)}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.faults import CRASH_POINTS, crash_hook
+from outbox_relay.relay.faults import CRASH_POINTS, crash_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_stall_sleeps_once_at_the_point_instead_of_dying(
     kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sleeps: list[float] = []
-    monkeypatch.setattr("relay.faults.time.sleep", sleeps.append)
+    monkeypatch.setattr("outbox_relay.relay.faults.time.sleep", sleeps.append)
     hook = crash_hook({"OUTBOX_TEST_CRASH_AT": "after_publish", "OUTBOX_TEST_CRASH_AFTER": "1",
                        "OUTBOX_TEST_STALL_SECONDS": "2.5"})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.gid import PREFIX_RE, Gid, lock_class, new_instance_id
+from outbox_relay.gid import PREFIX_RE, Gid, lock_class, new_instance_id
 
 
 def test_gid_text_has_prefix_zero_padded_hex_instance_and_sequence() -> None:

@@ -11,17 +11,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from relay import cli as relay_cli
-from relay import config
+from outbox_relay.relay import cli as relay_cli
+from outbox_relay.relay import settings as relay_settings
+from outbox_relay.resolver import settings as resolver_settings
+from outbox_relay.runtime import options
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 SIDECAR = KUBERNETES / "sidecar.yaml"
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 KUBERNETES_VERSION = "1.29.0"
 
-PROGRAMS: dict[str, tuple[config.Option[Any], ...]] = {
-    "outbox-relay": config.RELAY_OPTIONS,
-    "outbox-resolver": config.RESOLVER_OPTIONS,
+PROGRAMS: dict[str, tuple[options.Option[Any], ...]] = {
+    "outbox-relay": relay_settings.RELAY_OPTIONS,
+    "outbox-resolver": resolver_settings.RESOLVER_OPTIONS,
     "outbox-relay migrate": tuple(relay_cli.MIGRATE_OPTIONS),
 }
 
@@ -94,21 +96,21 @@ def test_our_containers_run_on_a_read_only_root_with_resources() -> None:
 
 def test_env_vars_are_real_options_with_valid_values_and_secrets_come_from_files() -> None:
     for program, (container, spec) in ours().items():
-        options = {o.env: o for o in PROGRAMS[program]}
+        by_env = {o.env: o for o in PROGRAMS[program]}
         mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
         secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
         for var in container["env"]:
             assert "valueFrom" not in var, f"{program}: {var['name']} from an env var, not a file"
             name, value = var["name"], var["value"]
-            assert name in config.env_names(PROGRAMS[program]), f"{program}: {name}"
+            assert name in options.env_names(PROGRAMS[program]), f"{program}: {name}"
             if name.endswith("_FILE"):
-                assert name.removesuffix("_FILE") in options and options[name.removesuffix("_FILE")].secret
+                assert name.removesuffix("_FILE") in by_env and by_env[name.removesuffix("_FILE")].secret
                 # The file is a key of a mounted secret volume.
                 path = PurePosixPath(value)
                 (volume,) = [v for v, mount in mounts.items() if PurePosixPath(mount) == path.parent]
                 assert path.name in [item["path"] for item in secrets[volume]["items"]], value
             else:
-                options[name].parse(value)
+                by_env[name].parse(value)
         required = {o.env for o in PROGRAMS[program] if o.default is None}
         given = {n.removesuffix("_FILE") for n in env(container)}
         assert required <= given, program
@@ -137,7 +139,8 @@ def test_probes_use_the_health_endpoints_on_the_metrics_port() -> None:
 
 def test_the_grace_period_lets_the_batch_in_flight_finish() -> None:
     container, spec = ours()["outbox-relay"]
-    confirm = float(env(container).get("OUTBOX_CONFIRM_TIMEOUT") or config.CONFIRM_TIMEOUT.default or 0)
+    confirm = float(env(container).get("OUTBOX_CONFIRM_TIMEOUT")
+                    or relay_settings.CONFIRM_TIMEOUT.default or 0)
     # Confirms of the batch, then the ledger record's: two confirm timeouts at most.
     assert spec["terminationGracePeriodSeconds"] > 2 * confirm
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from relay import log_actions, logs
-from relay.logs import JsonFormatter, TextFormatter
+from outbox_relay.runtime import log_actions, logs
+from outbox_relay.runtime.logs import JsonFormatter, TextFormatter
+from tests.conftest import package_sources
 
 
 def record(msg: str = "batch %s", *args: Any, level: int = logging.WARNING,
@@ -192,14 +193,14 @@ def test_redact_url_never_shows_a_password_with_url_delimiters(url: str) -> None
     assert "s3cr" not in logs.redact(url)
 
 
-# -- the declared actions (relay/log_actions.py, docs/operations.md) are the code's -----------
+# -- the declared actions (outbox_relay/runtime/log_actions.py, docs/operations.md) are the code's -----------
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def code_actions() -> set[str]:
     found: set[str] = set()
-    for path in [*ROOT.joinpath("relay").glob("*.py"), *ROOT.joinpath("resolver").glob("*.py")]:
+    for path in package_sources():
         text = path.read_text("utf-8")
         found |= set(re.findall(r'"action": "([a-z_]+)"', text))
         # The f-string families, one action per outcome.
@@ -207,14 +208,14 @@ def code_actions() -> set[str]:
             found |= {"batch_committed", "batch_rolled_back"}
         if 'f"resolved_{outcome}"' in text:
             found |= {"resolved_committed", "resolved_rolled_back", "resolved_already_finished"}
-        if 'f"{self.program}_started"' in text:  # relay/loop.py, for both programs
+        if 'f"{self.program}_started"' in text:  # outbox_relay/runtime/loop.py, for both programs
             found |= {f"{program}_{event}" for program in ("relay", "resolver")
                       for event in ("started", "stopped")}
     return found
 
 
 def declared_actions() -> set[str]:
-    """relay/log_actions.py: what docs/operations.md's table of actions is generated from."""
+    """outbox_relay/runtime/log_actions.py: what docs/operations.md's table of actions is generated from."""
     return {action for entry in log_actions.ACTIONS for action in entry.actions}
 
 

@@ -9,16 +9,16 @@ from typing import Any
 import pika.frame
 import pytest
 
-from relay.messages import (
+from outbox_relay.model import Message, OutboxRow, Unpublishable
+from outbox_relay.relay.messages import to_message
+from outbox_relay.rules import (
     HEADERS_DEPTH_MAX,
     ORDERING_KEY_HEADER,
     POSITION_HEADER,
     SHORTSTR_MAX,
     message_headers,
     publish_problem,
-    to_message,
 )
-from relay.model import Message, OutboxRow, Unpublishable
 
 CREATED = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
 _MISSING = object()
@@ -364,7 +364,7 @@ def test_publish_problem_agrees_with_to_message() -> None:
         built = to_message(row(headers=headers), max_bytes=1000)
         expected = built.reason if isinstance(built, Unpublishable) else None
         # The relay stamps the row's ordering key and id into its headers; a producer passes
-        # them the same way (relay.producer), so both measure the same header frame.
+        # them the same way (outbox_relay.producer), so both measure the same header frame.
         stamped = message_headers(headers, "order-1", 7)
         assert plain(headers=stamped, body_size=len(b'{"total": 12}'), message_id="evt-7",
                      routing_key="order.created", created_at=CREATED) == expected

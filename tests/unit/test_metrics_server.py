@@ -13,17 +13,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay import metrics
-from relay.errors import ConfigError
-from relay.health import Health
+from outbox_relay.errors import ConfigError
+from outbox_relay.relay.metrics import (
+    BATCH_FAILURE_REASONS,
+    ROW_FAILURE_REASONS,
+    RelayMetrics,
+    batch_duration_buckets,
+)
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.runtime import http
+from outbox_relay.runtime.health import Health
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, metrics.RelayMetrics, Health]]:
-    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
-    relay_metrics = metrics.RelayMetrics(confirm_timeout=30)
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, RelayMetrics, Health]]:
+    monkeypatch.setattr(http._Handler, "timeout", 0.5)
+    relay_metrics = RelayMetrics(confirm_timeout=30)
     health = Health(("postgresql", "rabbitmq"), stall_after=30)
-    server = metrics.serve(relay_metrics.registry, "127.0.0.1", _free_port(), health)
+    server = http.serve(relay_metrics.registry, "127.0.0.1", _free_port(), health)
     assert server is not None
     try:
         yield server.server_address[1], relay_metrics, health
@@ -47,7 +54,7 @@ def get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[in
         return exc.code, dict(exc.headers), exc.read()
 
 
-def test_metrics_is_prometheus_clients_exposition(served: tuple[int, metrics.RelayMetrics, Health]) -> None:
+def test_metrics_is_prometheus_clients_exposition(served: tuple[int, RelayMetrics, Health]) -> None:
     port, relay_metrics, _health = served
     relay_metrics.events_published.inc(3)
     status, headers, body = get(port, "/metrics")
@@ -69,7 +76,7 @@ def test_metrics_is_prometheus_clients_exposition(served: tuple[int, metrics.Rel
     assert body.decode().count("# TYPE") == 1
 
 
-def test_probes_and_not_found(served: tuple[int, metrics.RelayMetrics, Health]) -> None:
+def test_probes_and_not_found(served: tuple[int, RelayMetrics, Health]) -> None:
     port, _metrics, health = served
     assert get(port, "/healthz")[::2] == (200, b"ok\n")
     status, headers, body = get(port, "/readyz")
@@ -84,7 +91,7 @@ def test_probes_and_not_found(served: tuple[int, metrics.RelayMetrics, Health]) 
 
 
 def test_a_silent_client_is_dropped_and_does_not_block_others(
-    served: tuple[int, metrics.RelayMetrics, Health]
+    served: tuple[int, RelayMetrics, Health]
 ) -> None:
     port, _metrics, _health = served
     with socket.create_connection(("127.0.0.1", port)) as silent:
@@ -97,7 +104,7 @@ def test_a_silent_client_is_dropped_and_does_not_block_others(
 
 
 def test_port_zero_serves_nothing() -> None:
-    assert metrics.serve(metrics.ResolverMetrics().registry, "127.0.0.1", 0) is None
+    assert http.serve(ResolverMetrics().registry, "127.0.0.1", 0) is None
 
 
 def test_a_port_in_use_is_a_config_error() -> None:
@@ -105,22 +112,22 @@ def test_a_port_in_use_is_a_config_error() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         with pytest.raises(ConfigError, match=r"^OUTBOX_METRICS_PORT "):
-            metrics.serve(metrics.ResolverMetrics().registry, "127.0.0.1", busy.getsockname()[1])
+            http.serve(ResolverMetrics().registry, "127.0.0.1", busy.getsockname()[1])
 
 
 @pytest.mark.parametrize(("timeout", "top"), [(30, 60), (5, 10), (0.5, 1.0)])
 def test_batch_duration_buckets_reach_twice_the_confirm_timeout(timeout: float, top: float) -> None:
-    buckets = metrics.batch_duration_buckets(timeout)
+    buckets = batch_duration_buckets(timeout)
     assert buckets[-1] == top and timeout in buckets
     assert list(buckets) == sorted(set(buckets))
-    registry = metrics.RelayMetrics(confirm_timeout=timeout).registry
+    registry = RelayMetrics(confirm_timeout=timeout).registry
     assert registry.get_sample_value("outbox_relay_batch_duration_seconds_bucket",
                                      {"le": str(float(top))}) == 0
 
 
 def test_failure_counters_pre_declare_their_reasons() -> None:
-    registry = metrics.RelayMetrics().registry
-    for reason in metrics.ROW_FAILURE_REASONS:
+    registry = RelayMetrics().registry
+    for reason in ROW_FAILURE_REASONS:
         assert registry.get_sample_value("outbox_relay_row_failures_total", {"reason": reason}) == 0
-    for reason in metrics.BATCH_FAILURE_REASONS:
+    for reason in BATCH_FAILURE_REASONS:
         assert registry.get_sample_value("outbox_relay_batch_failures_total", {"reason": reason}) == 0

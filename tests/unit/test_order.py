@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from relay.model import Message, OutboxRow
-from relay.waves import held_back, waves
+from outbox_relay.model import Message, OutboxRow
+from outbox_relay.relay.waves import held_back, waves
 from tests.unit.fakes import Outcome
 from tests.unit.test_worker import Rig, make_rig
 

@@ -1,4 +1,4 @@
-"""The contract of relay/pika_private.py: every private pika name it uses exists in the pika
+"""The contract of outbox_relay/pika_private.py: every private pika name it uses exists in the pika
 installed, which is in the range pyproject.toml pins. A pika release that renames or drops one
 fails here, by name, before any relay runs on it (the integration tests exercise the behaviour)."""
 

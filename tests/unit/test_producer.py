@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 
 import outbox_relay
-from outbox_relay import ConfigError, Event, InvalidEvent, enqueue, enqueue_many
-from relay import caller
-from relay.messages import to_message
-from relay.model import OutboxRow, Unpublishable
+from outbox_relay import ConfigError, Event, InvalidEvent, caller, enqueue, enqueue_many
+from outbox_relay.model import OutboxRow, Unpublishable
+from outbox_relay.relay.messages import to_message
 
 NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
 
@@ -118,7 +117,7 @@ def test_a_bytes_payload_over_the_limit_is_refused() -> None:
 
 
 def test_the_default_limit_is_the_relays_default() -> None:
-    from relay.config import RelaySettings
+    from outbox_relay.relay.settings import RelaySettings
 
     assert outbox_relay.DEFAULT_MAX_MESSAGE_BYTES == RelaySettings.max_message_bytes == 134217728
 
@@ -281,7 +280,7 @@ def test_an_empty_batch_writes_nothing() -> None:
 
 
 def test_the_statement_reads_the_same_for_sqlalchemy() -> None:
-    from relay.producer import _statement
+    from outbox_relay.producer import _statement
 
     statement = _statement("app.events")
     assert "%(" not in statement.sqlalchemy_text and "::" not in statement.sqlalchemy_text
@@ -290,7 +289,7 @@ def test_the_statement_reads_the_same_for_sqlalchemy() -> None:
 
 
 def test_the_schema_is_importable_for_migration_tools() -> None:
-    from relay.migrate import schema_sql
+    from outbox_relay.schema import schema_sql
 
     assert outbox_relay.schema_sql() == schema_sql("outbox")
     assert 'CREATE TABLE IF NOT EXISTS "app"."events"' in outbox_relay.schema_sql("app.events")

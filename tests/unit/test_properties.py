@@ -1,4 +1,4 @@
-"""The properties encoded by relay.properties are byte for byte what pika writes, and every
+"""The properties encoded by outbox_relay.properties are byte for byte what pika writes, and every
 shape the fast path does not cover is left to pika (and fails there as it always did)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pika.frame
 import pytest
 from pika.spec import BasicProperties
 
-from relay.properties import EncodedProperties, encoded
+from outbox_relay import properties as wire_properties
+from outbox_relay.relay.messages import EncodedProperties, encoded
 
 
 def pika_wire(properties: BasicProperties, body_size: int = 250) -> bytes:
@@ -80,9 +81,15 @@ def test_fields_pika_would_refuse_are_left_to_pika(fields: dict[str, Any]) -> No
 
 
 def test_the_wire_form_measures_the_header_frame() -> None:
-    """relay.messages sizes a header frame from it, against the broker's frame_max."""
-    from relay.messages import HEADER_FRAME_OVERHEAD
+    """outbox_relay.rules sizes a header frame from it, against the broker's frame_max."""
+    from outbox_relay.rules import HEADER_FRAME_OVERHEAD
     properties = encoded(message_id="m", content_type="t", headers={"k": "v" * 1000}, timestamp=5)
     assert isinstance(properties, EncodedProperties)
     frame = pika.frame.Header(1, 123, properties).marshal()
     assert len(frame) == HEADER_FRAME_OVERHEAD + len(properties.wire)
+
+
+def test_the_flags_are_the_specs() -> None:
+    """outbox_relay.properties imports no pika: its flag bits are written out, and are pika's."""
+    for name in ("CONTENT_TYPE", "HEADERS", "DELIVERY_MODE", "MESSAGE_ID", "TIMESTAMP"):
+        assert getattr(wire_properties, f"FLAG_{name}") == getattr(BasicProperties, f"FLAG_{name}")

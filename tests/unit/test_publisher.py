@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from relay import publisher as publisher_module
-from relay.publisher import AmqpPublisher
+from outbox_relay.relay import publisher as publisher_module
+from outbox_relay.relay.publisher import AmqpPublisher
 
 
 class ClosedConnection:

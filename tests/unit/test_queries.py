@@ -8,22 +8,24 @@ from typing import Any
 
 import pytest
 
-from relay import store
-from relay.config import table_name
-from relay.migrate import schema_sql
-from relay.queries import Tables, parse_named, schema_text
+from outbox_relay import postgres
+from outbox_relay import sql as sql_files
+from outbox_relay.schema import schema_sql
+from outbox_relay.sql import parse_named
+from outbox_relay.tables import Tables, table_name
+from tests.conftest import package_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def used_query_names() -> set[str]:
-    """Every ``.query("name")`` in the programs' source."""
-    source = "\n".join(p.read_text() for d in ("relay", "resolver") for p in (ROOT / d).glob("*.py"))
+    """Every ``.query("name")`` in the package's source."""
+    source = "\n".join(p.read_text() for p in package_sources())
     return set(re.findall(r"\.query\(\s*\"(\w+)\"", source))
 
 
 def queries() -> dict[str, str]:
-    return parse_named((ROOT / "relay" / "queries.sql").read_text())
+    return parse_named((ROOT / "sql" / "queries.sql").read_text())
 
 
 # -- parse_named ------------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_schema_composes_for_a_qualified_table() -> None:
 
 
 def test_schema_text_is_the_sql_folder_file() -> None:
-    assert schema_text() == (ROOT / "sql" / "schema.sql").read_text("utf-8")
+    assert sql_files.text("schema.sql") == (ROOT / "sql" / "schema.sql").read_text("utf-8")
 
 
 def test_schema_sql_is_the_composed_schema() -> None:
@@ -158,7 +160,7 @@ def test_schema_sql_is_the_composed_schema() -> None:
 
 
 class RecordingConnection:
-    """Just enough of a psycopg connection for store.check_server."""
+    """Just enough of a psycopg connection for postgres.check_server."""
 
     def __init__(self, row: tuple[Any, ...]) -> None:
         self.row = row
@@ -175,7 +177,7 @@ class RecordingConnection:
 def test_check_server_looks_up_both_tables() -> None:
     conn = RecordingConnection((64, True, True, 160000))
 
-    store.check_server(conn, Tables("billing.events"))  # type: ignore[arg-type]
+    postgres.check_server(conn, Tables("billing.events"))  # type: ignore[arg-type]
 
     assert conn.params == {"outbox": '"billing"."events"',
                            "dead_letter": '"billing"."events_dead_letter"'}
@@ -188,6 +190,6 @@ def test_mixed_case_table_is_refused_by_config_or_looked_up_quoted() -> None:
         return
     conn = RecordingConnection((64, True, True, 160000))
 
-    store.check_server(conn, Tables("MyOutbox"))  # type: ignore[arg-type]
+    postgres.check_server(conn, Tables("MyOutbox"))  # type: ignore[arg-type]
 
     assert conn.params["outbox"] == Tables("MyOutbox").outbox.as_string(None)

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from relay import ledger
-from relay.config import ResolverSettings
-from relay.errors import TransientError
-from relay.gid import Gid, lock_class
-from relay.metrics import ResolverMetrics
-from relay.model import PreparedXact, SessionRole
-from resolver import worker
-from resolver.worker import Resolver
+from outbox_relay import ledger
+from outbox_relay.errors import TransientError
+from outbox_relay.gid import Gid, lock_class
+from outbox_relay.model import PreparedXact, SessionRole
+from outbox_relay.resolver import worker
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.settings import ResolverSettings
+from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import (
     RELAY_ROLE,
     T0,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from relay.config import ResolverSettings
-from relay.metrics import HORIZON_HOLDERS, ResolverMetrics
-from relay.model import HorizonHolder
-from resolver.worker import Resolver
+from outbox_relay.model import HorizonHolder
+from outbox_relay.resolver.metrics import HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.settings import ResolverSettings
+from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import FakeCluster, FakeLedger, FakePreparedStore
 
 

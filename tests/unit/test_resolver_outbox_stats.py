@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from relay.config import ResolverSettings
-from relay.errors import DatabaseError
-from relay.metrics import ResolverMetrics
-from relay.model import HorizonHolder, PreparedXact
-from relay.prepared_store import PostgresPreparedStore
-from resolver.worker import Resolver
+from outbox_relay.errors import DatabaseError
+from outbox_relay.model import HorizonHolder, PreparedXact
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.settings import ResolverSettings
+from outbox_relay.resolver.store import PostgresPreparedStore
+from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import FakeCluster, FakeLedger, FakePreparedStore
 
 

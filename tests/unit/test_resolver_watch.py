@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resolver.watch import orphaned
+from outbox_relay.resolver.watch import orphaned
 
 
 def test_only_our_batches_whose_relay_holds_no_lock_wake_the_resolver() -> None:

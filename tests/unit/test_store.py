@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relay.store import TCP_DEFAULTS, connection_options
+from outbox_relay.postgres import TCP_DEFAULTS, connection_options
 
 
 def test_tcp_defaults_apply_to_a_host_url() -> None:

@@ -1,11 +1,11 @@
-"""Which other hosts of a libpq multi-host URL the start-up check visits (relay.store)."""
+"""Which other hosts of a libpq multi-host URL the start-up check visits (outbox_relay.relay.store)."""
 
 from __future__ import annotations
 
 import socket
 from typing import Any
 
-from relay.store import check_standbys, other_hosts
+from outbox_relay.postgres import check_standbys, other_hosts
 
 
 class On:

@@ -1,4 +1,4 @@
-"""The relay loop (``relay.worker.Relay``) against the in-memory fakes: the protocol, step by step."""
+"""The relay loop (``outbox_relay.relay.worker.Relay``) against the in-memory fakes: the protocol, step by step."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay import ledger, worker
-from relay.config import RelaySettings
-from relay.errors import BatchFailed, ConnectionLost, DatabaseError, LedgerMissing, TransientError
-from relay.gid import Gid, lock_class
-from relay.metrics import RelayMetrics
-from relay.worker import Relay
+from outbox_relay import ledger
+from outbox_relay.errors import BatchFailed, ConnectionLost, DatabaseError, LedgerMissing, TransientError
+from outbox_relay.gid import Gid, lock_class
+from outbox_relay.relay import worker
+from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.relay.settings import RelaySettings
+from outbox_relay.relay.worker import Relay
 from tests.unit.fakes import (
     CHANNEL_CLOSED,
     FakePublisher,
@@ -950,7 +951,7 @@ def test_reconnect_retries_a_failing_connect(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_fault_streak_backoff_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("relay.backoff.INITIAL_DELAY", 1.0)
+    monkeypatch.setattr("outbox_relay.runtime.backoff.INITIAL_DELAY", 1.0)
     monkeypatch.setattr("random.uniform", lambda _low, high: high)  # the top of full jitter
     rig = make_rig(monkeypatch, reconnect_max_delay=3.0)
     for _ in range(4):

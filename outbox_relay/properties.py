@@ -1,14 +1,15 @@
-"""A message's properties, encoded for the wire once, by struct, when their shape is the usual one.
+"""A message's properties encoded for the wire once, by struct, when their shape is the usual one.
 
 pika encodes properties field by field and a header table value by value through a chain of
 isinstance tests, in Python, for every message. Profiled on a relay publishing keyed events
 (the two headers the relay adds), that Header.marshal took about a seventh of the relay's CPU
 (the claim a fifth). Every message the relay builds sets content_type, delivery_mode,
 message_id and timestamp; most carry no other header than a flat table of strings and integers
-(the relay's own two, a producer's simple ones). For those, ``encoded`` builds the bytes pika
-would write (tests/unit/test_properties.py compares them over many shapes) and the properties
-hand them over as they are; for any other shape, or a value pika would refuse, it returns
-pika's own properties, encoded by pika when published, as before.
+(the relay's own two, a producer's simple ones). For those, ``wire`` gives the bytes pika would
+write (tests/unit/test_properties.py compares them over many shapes), which the relay hands to
+pika as they are (outbox_relay.relay.messages); for any other shape, or a value pika would
+refuse, it gives None and pika encodes the properties itself when they are published, as before.
+No pika here: the producer API measures the usual header tables with it too.
 """
 
 from __future__ import annotations
@@ -18,29 +19,24 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from pika.spec import BasicProperties
+# The AMQP 0-9-1 Basic property flags this encodes (pika.spec.BasicProperties.FLAG_*, which
+# tests/unit/test_properties.py checks them against).
+FLAG_CONTENT_TYPE = 1 << 15
+FLAG_HEADERS = 1 << 13
+FLAG_DELIVERY_MODE = 1 << 12
+FLAG_MESSAGE_ID = 1 << 7
+FLAG_TIMESTAMP = 1 << 6
 
-_FLAGS = (BasicProperties.FLAG_CONTENT_TYPE | BasicProperties.FLAG_DELIVERY_MODE
-          | BasicProperties.FLAG_MESSAGE_ID | BasicProperties.FLAG_TIMESTAMP)
+_FLAGS = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTAMP
 _FLAGS_PLAIN = struct.pack(">H", _FLAGS)
-_FLAGS_HEADERS = struct.pack(">H", _FLAGS | BasicProperties.FLAG_HEADERS)
+_FLAGS_HEADERS = struct.pack(">H", _FLAGS | FLAG_HEADERS)
 _INT32 = struct.Struct(">ci")
 _INT64 = struct.Struct(">cq")
 _LONG_STRING = struct.Struct(">cI")
 _TABLE_SIZE = struct.Struct(">I")
-_PERSISTENT = b"\x02"  # delivery mode
+_PERSISTENT = 2  # delivery mode
+_PERSISTENT_BYTE = bytes((_PERSISTENT,))
 _TIMESTAMP = struct.Struct(">Q")
-
-
-class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no type hints
-    """pika's BasicProperties, with their wire form computed beforehand."""
-
-    def __init__(self, wire: bytes, **fields: Any) -> None:
-        super().__init__(**fields)
-        self.wire = wire
-
-    def encode(self) -> list[bytes]:
-        return [self.wire]
 
 
 def _short(text: str) -> bytes | None:
@@ -81,18 +77,19 @@ def _table(headers: Mapping[str, Any]) -> bytes | None:
     return _TABLE_SIZE.pack(len(table)) + table
 
 
-def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
-            timestamp: int) -> BasicProperties:
-    """Persistent message properties: encoded here when their shape allows, else pika's."""
-    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-              "headers": headers or None, "timestamp": timestamp}
+def wire(*, delivery_mode: int, message_id: str, content_type: str,
+         headers: Mapping[str, Any] | None, timestamp: int) -> bytes | None:
+    """The property bytes pika writes for these fields, or None when this does not encode them
+    (a header table of another shape, a text over 255 bytes or not encodable, a timestamp out
+    of range, a transient message): pika's encoder then decides."""
+    if delivery_mode != _PERSISTENT:
+        return None
     try:
         parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id))
     except UnicodeEncodeError:  # a lone surrogate: pika raises it when publishing, as before
-        return BasicProperties(**fields)
+        return None
     content, table, ident = parts
     if content is None or table is None or ident is None or not 0 <= timestamp < 1 << 64:
-        return BasicProperties(**fields)
+        return None
     flags = _FLAGS_HEADERS if headers else _FLAGS_PLAIN
-    wire = b"".join((flags, content, table, _PERSISTENT, ident, _TIMESTAMP.pack(timestamp)))
-    return EncodedProperties(wire, **fields)
+    return b"".join((flags, content, table, _PERSISTENT_BYTE, ident, _TIMESTAMP.pack(timestamp)))

@@ -1,4 +1,7 @@
-"""RabbitMQ plumbing shared by the publisher and the ledger reader."""
+"""RabbitMQ plumbing both programs run on: connecting to a node (or a cluster's), the ledger's
+declaration, pumping pika's I/O with our own terminator, bounded closes and coalesced writes.
+
+Every use of pika's private names is fenced in outbox_relay.pika_private."""
 
 from __future__ import annotations
 
@@ -12,11 +15,20 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from relay import pika_private
-from relay.config import amqp_urls
-from relay.errors import StartupCheckError, TransientError, first_line
+from outbox_relay import pika_private
+from outbox_relay.errors import StartupCheckError, TransientError, first_line
 
 log = logging.getLogger(__name__)
+
+
+def amqp_urls(text: str) -> list[str]:
+    """The URLs of OUTBOX_AMQP_URL: one, or a comma-separated list of a cluster's nodes.
+
+    A comma cannot appear unencoded in one URL's user info, host or vhost (percent-encode it as
+    %2C), so splitting on it is unambiguous.
+    """
+    return [part.strip() for part in text.split(",")]
+
 
 # Errors that mean "the connection is gone or unusable": reconnect and try again.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (

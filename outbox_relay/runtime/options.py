@@ -1,7 +1,10 @@
-"""Settings of both programs: every one is a command-line flag and an environment variable.
+"""The options of both programs: every setting is a command-line flag and an environment variable.
 
-Values are checked here, before anything connects, so a bad setting ends the program with one
-line that names it. Connection URLs are kept whole for connecting and shown only redacted.
+Each setting is declared once as an ``Option``; the options both programs read are declared
+here, each program's own in its settings module (outbox_relay.relay.settings,
+outbox_relay.resolver.settings), which also holds its settings dataclass. Values are checked
+here, before anything connects, so a bad setting ends the program with one line that names it.
+Connection URLs are kept whole for connecting and shown only redacted.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import pika
 import psycopg
 import psycopg.conninfo
 
-from relay.errors import ConfigError, first_line
-from relay.gid import PREFIX_RE
-from relay.logs import redact
+from outbox_relay.errors import ConfigError, first_line
+from outbox_relay.gid import PREFIX_RE
+from outbox_relay.rabbitmq import amqp_urls
+from outbox_relay.rules import DEFAULT_LEDGER_STREAM
+from outbox_relay.runtime.logs import redact
+from outbox_relay.tables import table_name
 
-# One unquoted-style identifier part; a name with quotes, dots inside a part, spaces or
-# semicolons is refused rather than escaped, so logs, metrics and psql all show the same name.
-_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 _STREAM_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_AGE_RE = re.compile(r"^[1-9][0-9]*(Y|M|D|h|m|s)$")
 
@@ -104,7 +107,7 @@ MESSAGE_BYTES_MAX = 512 * 1024 * 1024  # RabbitMQ refuses a max_message_size abo
 BATCH_BYTES_MAX = 16 * 1024**3
 
 
-def _bounded_int(low: int, high: int, what: str) -> Callable[[str], int]:
+def bounded_int(low: int, high: int, what: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if not low <= value <= high:
@@ -114,12 +117,12 @@ def _bounded_int(low: int, high: int, what: str) -> Callable[[str], int]:
     return parse
 
 
-_positive_int = _bounded_int(1, COUNT_MAX, "a positive integer")
-_message_bytes = _bounded_int(1, MESSAGE_BYTES_MAX, "a number of bytes")
-_batch_bytes = _bounded_int(1, BATCH_BYTES_MAX, "a number of bytes")
+positive_int = bounded_int(1, COUNT_MAX, "a positive integer")
+message_bytes = bounded_int(1, MESSAGE_BYTES_MAX, "a number of bytes")
+batch_bytes = bounded_int(1, BATCH_BYTES_MAX, "a number of bytes")
 
 
-def _port(text: str) -> int:
+def port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise ValueError("must be a TCP port (0 disables)")
@@ -134,11 +137,11 @@ def _seconds(text: str, *, zero: bool) -> float:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     return _seconds(text, zero=False)
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float(text: str) -> float:
     return _seconds(text, zero=True)
 
 
@@ -185,15 +188,6 @@ def _database_url(text: str) -> str:
     return text
 
 
-def amqp_urls(text: str) -> list[str]:
-    """The URLs of OUTBOX_AMQP_URL: one, or a comma-separated list of a cluster's nodes.
-
-    A comma cannot appear unencoded in one URL's user info, host or vhost (percent-encode it as
-    %2C), so splitting on it is unambiguous.
-    """
-    return [part.strip() for part in text.split(",")]
-
-
 def _amqp_url(text: str) -> str:
     """One URL, or a comma-separated list of them (a cluster's nodes), each checked alone."""
     parts = amqp_urls(text)
@@ -230,17 +224,6 @@ def _one_amqp_url(text: str) -> str:
     return text
 
 
-def table_name(text: str) -> str:
-    """``table`` or ``schema.table``, each part a plain identifier of at most 40 characters."""
-    parts = text.split(".")
-    if len(parts) > 2 or not all(_IDENT_RE.fullmatch(part) for part in parts):
-        raise ValueError(
-            "must be a table name like outbox or myschema.outbox "
-            "(letters, digits and _, at most 40 characters a part)"
-        )
-    return text
-
-
 def _gid_prefix(text: str) -> str:
     if not PREFIX_RE.fullmatch(text):
         raise ValueError("must be 1-32 characters: a lowercase letter, then a-z, 0-9, _ or -")
@@ -261,7 +244,7 @@ def _max_age(text: str) -> str:
     return text
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
+def choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
             raise ValueError("must be one of " + ", ".join(choices))
@@ -270,10 +253,10 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-# -- the settings, each declared once --------------------------------------------------------
-# A new setting: one Option here, then one ``name: type = OPTION.field()`` line in each settings
-# class that reads it. The option lists, --help and docs/configuration.md (``./dev docs``)
-# follow from that.
+# -- the settings both programs read, each declared once ---------------------------------------
+# A new setting: one Option here (or in the settings module of the one program that reads it),
+# then one ``name: type = OPTION.field()`` line in each settings class that reads it. The
+# option lists, --help and docs/configuration.md (``./dev docs``) follow from that.
 
 DATABASE_URL = Option(
     "database_url", "OUTBOX_DATABASE_URL", _database_url, None,
@@ -298,7 +281,7 @@ GID_PREFIX = Option(
     "prefix of this deployment's prepared-transaction ids; the resolver touches only these",
 )
 LEDGER_STREAM = Option(
-    "ledger_stream", "OUTBOX_LEDGER_STREAM", _stream, "outbox.ledger",
+    "ledger_stream", "OUTBOX_LEDGER_STREAM", _stream, DEFAULT_LEDGER_STREAM,
     "RabbitMQ stream that records every fully confirmed batch, and the name of the ledger's own "
     "exchange (bound to it); not amq.* (reserved)",
     doc="a name the broker refuses (403) stops both programs at start (exit 3)",
@@ -307,50 +290,8 @@ LEDGER_MAX_AGE = Option(
     "ledger_max_age", "OUTBOX_LEDGER_MAX_AGE", _max_age, "7D",
     "retention of the ledger stream (x-max-age); keep it longer than any in-doubt window",
 )
-BATCH_SIZE = Option(
-    "batch_size", "OUTBOX_BATCH_SIZE", _positive_int, "2000",
-    "rows claimed per batch (the most a crash can duplicate)",
-    doc="2000 from the benchmark's sweep ([performance.md](performance.md))",
-)
-CONFIRM_TIMEOUT = Option(
-    "confirm_timeout", "OUTBOX_CONFIRM_TIMEOUT", _positive_float, "30",
-    "seconds to wait for the broker's confirms of a batch before failing it",
-)
-MAX_ATTEMPTS = Option(
-    "max_attempts", "OUTBOX_MAX_ATTEMPTS", _positive_int, "10",
-    "failed publishes of a row before it moves to the dead-letter table",
-)
-RETRY_BASE_DELAY = Option(
-    "retry_base_delay", "OUTBOX_RETRY_BASE_DELAY", _non_negative_float, "1",
-    "delay before a failed row is retried; doubles with each attempt",
-)
-RETRY_MAX_DELAY = Option(
-    "retry_max_delay", "OUTBOX_RETRY_MAX_DELAY", _non_negative_float, "300",
-    "longest delay before a failed row is retried",
-)
-POLL_MIN_INTERVAL = Option(
-    "poll_min_interval", "OUTBOX_POLL_MIN_INTERVAL", _non_negative_float, "0.005",
-    "wait after a partial batch; idle waits double from here",
-)
-POLL_MAX_INTERVAL = Option(
-    "poll_max_interval", "OUTBOX_POLL_MAX_INTERVAL", _positive_float, "0.25",
-    "longest wait between polls of an empty outbox",
-)
-MAX_MESSAGE_BYTES = Option(
-    "max_message_bytes", "OUTBOX_MAX_MESSAGE_BYTES", _message_bytes, "134217728",
-    "largest body published; larger rows are dead-lettered (match the broker's max_message_size)",
-    doc="a row whose `row_bytes` exceed it by more than 1 MiB is moved to the dead-letter table "
-        "by the claim itself, never fetched into the relay",
-)
-BATCH_MAX_BYTES = Option(
-    "batch_max_bytes", "OUTBOX_BATCH_MAX_BYTES", _batch_bytes, "16777216",
-    "bytes of row data claimed per batch besides OUTBOX_BATCH_SIZE (the row_bytes column: "
-    "payload, headers, text columns); a batch takes one row at least",
-    doc="the next batch, claimed while this one is confirmed, gets what this one left; bounds "
-        "the relay's memory: [reliability.md](reliability.md#memory)",
-)
 STATS_INTERVAL = Option(
-    "stats_interval", "OUTBOX_STATS_INTERVAL", _positive_float, "5",
+    "stats_interval", "OUTBOX_STATS_INTERVAL", positive_float, "5",
     "seconds between refreshes of the backlog and lag metrics (a query over the whole outbox "
     "table)",
     doc="its cost: [operations.md](operations.md#what-the-backlog-and-lag-query-costs)",
@@ -359,139 +300,27 @@ METRICS_HOST = Option(
     "metrics_host", "OUTBOX_METRICS_HOST", str, "0.0.0.0",  # noqa: S104
     "address of the /metrics, /healthz and /readyz endpoints",
 )
-_METRICS_PORT_HELP = (
+METRICS_PORT_HELP = (
     "port of /metrics, /healthz and /readyz (0 disables all three; a port in use is a "
     "configuration error)"
 )
-RELAY_METRICS_PORT = Option("metrics_port", "OUTBOX_METRICS_PORT", _port, "9460", _METRICS_PORT_HELP)
-RESOLVER_METRICS_PORT = Option(
-    "metrics_port", "OUTBOX_METRICS_PORT", _port, "9461", _METRICS_PORT_HELP)
 LOG_LEVEL = Option(
-    "log_level", "OUTBOX_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO",
+    "log_level", "OUTBOX_LOG_LEVEL", choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO",
     "log level: DEBUG, INFO, WARNING or ERROR",
 )
 LOG_FORMAT = Option(
-    "log_format", "OUTBOX_LOG_FORMAT", _choice("text", "json"), "text",
+    "log_format", "OUTBOX_LOG_FORMAT", choice("text", "json"), "text",
     "log line format: text, or json (one object a line, with a stable action key)",
 )
 CONNECT_TIMEOUT = Option(
-    "connect_timeout", "OUTBOX_CONNECT_TIMEOUT", _positive_float, "10",
+    "connect_timeout", "OUTBOX_CONNECT_TIMEOUT", positive_float, "10",
     "seconds to wait for a PostgreSQL or RabbitMQ connection",
 )
 RECONNECT_MAX_DELAY = Option(
-    "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", _positive_float, "5",
+    "reconnect_max_delay", "OUTBOX_RECONNECT_MAX_DELAY", positive_float, "5",
     "longest wait between reconnection attempts (exponential backoff with full jitter): a "
     "server back after a long outage is found again within this many seconds",
 )
-def _standby(text: str) -> str:
-    if text and not re.fullmatch(r"[A-Za-z0-9_.-]{1,63}", text):
-        raise ValueError("must be empty (off), any, sync, or a standby's application_name "
-                         "(letters, digits, _ . -)")
-    return text
-
-
-STANDBY_WAIT = Option(
-    "standby_wait", "OUTBOX_STANDBY_WAIT", _standby, "",
-    "publish a batch only once this standby has flushed the WAL past its claim: a standby's "
-    "application_name, sync (a synchronous one) or any; empty: off",
-    doc="no ghost events after an asynchronous failover; needs pg_read_all_stats (pg_monitor) "
-        "for pg_stat_replication; its cost: [operations.md](operations.md#clusters-and-failover)",
-)
-STANDBY_WAIT_TIMEOUT = Option(
-    "standby_wait_timeout", "OUTBOX_STANDBY_WAIT_TIMEOUT", _positive_float, "10",
-    "seconds to wait for OUTBOX_STANDBY_WAIT before rolling the batch back and retrying it",
-)
-RESOLVER_INTERVAL = Option(
-    "interval", "OUTBOX_RESOLVER_INTERVAL", _positive_float, "2",
-    "seconds between scans of pg_prepared_xacts",
-)
-RESOLVER_WATCH_INTERVAL = Option(
-    "watch_interval", "OUTBOX_RESOLVER_WATCH_INTERVAL", _non_negative_float, "0.1",
-    "seconds between the resolver's checks for a relay that died holding a prepared batch "
-    "(one query on its own connection; the scan follows at once); 0 turns the check off",
-    doc="how fast a dead relay's batch is taken over: [operations.md](operations.md#the-resolver-watch)",
-)
-RESOLVER_HARD_LIMIT = Option(
-    "hard_limit", "OUTBOX_RESOLVER_HARD_LIMIT", _positive_float, "300",
-    "resolve a prepared batch older than this many seconds even if its relay looks alive",
-)
-LEDGER_READ_MARGIN = Option(
-    "ledger_margin", "OUTBOX_LEDGER_READ_MARGIN", _non_negative_float, "5",
-    "read the ledger from this many seconds before the oldest in-doubt batch (clock skew)",
-    doc="keep it above the clock difference between the PostgreSQL and RabbitMQ hosts; a "
-        "margin too small costs duplicates after a crash (a batch the broker has is not found "
-        "and rolled back, so published again), never loss; a larger one makes every takeover "
-        "read more of the ledger ([operations.md](operations.md#the-resolver-watch))",
-)
-LEDGER_READ_TIMEOUT = Option(
-    "ledger_read_timeout", "OUTBOX_LEDGER_READ_TIMEOUT", _positive_float, "30",
-    "seconds a ledger read may go without receiving a single record before it fails (however "
-    "long the read takes while records keep coming), and the wait for its marker's confirm",
-)
-
-
-@dataclass(frozen=True)
-class RelaySettings:
-    """What ``outbox-relay run`` reads: each field is one of the options above."""
-
-    database_url: str = DATABASE_URL.field()
-    amqp_url: str = AMQP_URL.field()
-    table: str = TABLE.field()
-    gid_prefix: str = GID_PREFIX.field()
-    ledger_stream: str = LEDGER_STREAM.field()
-    ledger_max_age: str = LEDGER_MAX_AGE.field()
-    batch_size: int = BATCH_SIZE.field()
-    confirm_timeout: float = CONFIRM_TIMEOUT.field()
-    max_attempts: int = MAX_ATTEMPTS.field()
-    retry_base_delay: float = RETRY_BASE_DELAY.field()
-    retry_max_delay: float = RETRY_MAX_DELAY.field()
-    poll_min_interval: float = POLL_MIN_INTERVAL.field()
-    poll_max_interval: float = POLL_MAX_INTERVAL.field()
-    max_message_bytes: int = MAX_MESSAGE_BYTES.field()
-    batch_max_bytes: int = BATCH_MAX_BYTES.field()
-    stats_interval: float = STATS_INTERVAL.field()
-    metrics_host: str = METRICS_HOST.field()
-    metrics_port: int = RELAY_METRICS_PORT.field()
-    log_level: str = LOG_LEVEL.field()
-    log_format: str = LOG_FORMAT.field()
-    connect_timeout: float = CONNECT_TIMEOUT.field()
-    reconnect_max_delay: float = RECONNECT_MAX_DELAY.field()
-    standby_wait: str = STANDBY_WAIT.field()
-    standby_wait_timeout: float = STANDBY_WAIT_TIMEOUT.field()
-
-    def __post_init__(self) -> None:
-        if self.poll_min_interval > self.poll_max_interval:
-            raise ConfigError("OUTBOX_POLL_MIN_INTERVAL must not exceed OUTBOX_POLL_MAX_INTERVAL")
-        if self.retry_base_delay > self.retry_max_delay:
-            raise ConfigError("OUTBOX_RETRY_BASE_DELAY must not exceed OUTBOX_RETRY_MAX_DELAY")
-
-
-@dataclass(frozen=True)
-class ResolverSettings:
-    """What ``outbox-resolver`` reads: each field is one of the options above."""
-
-    database_url: str = DATABASE_URL.field()
-    amqp_url: str = AMQP_URL.field()
-    gid_prefix: str = GID_PREFIX.field()
-    ledger_stream: str = LEDGER_STREAM.field()
-    ledger_max_age: str = LEDGER_MAX_AGE.field()
-    table: str = TABLE.field()
-    stats_interval: float = STATS_INTERVAL.field()
-    interval: float = RESOLVER_INTERVAL.field()
-    watch_interval: float = RESOLVER_WATCH_INTERVAL.field()
-    hard_limit: float = RESOLVER_HARD_LIMIT.field()
-    ledger_margin: float = LEDGER_READ_MARGIN.field()
-    ledger_read_timeout: float = LEDGER_READ_TIMEOUT.field()
-    metrics_host: str = METRICS_HOST.field()
-    metrics_port: int = RESOLVER_METRICS_PORT.field()
-    log_level: str = LOG_LEVEL.field()
-    log_format: str = LOG_FORMAT.field()
-    connect_timeout: float = CONNECT_TIMEOUT.field()
-    reconnect_max_delay: float = RECONNECT_MAX_DELAY.field()
-
-
-RELAY_OPTIONS: tuple[Option[Any], ...] = options_of(RelaySettings)
-RESOLVER_OPTIONS: tuple[Option[Any], ...] = options_of(ResolverSettings)
 
 
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option[Any]]) -> None:

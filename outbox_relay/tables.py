@@ -1,45 +1,31 @@
-"""Named SQL queries, read from the ``.sql`` files shipped with the package."""
+"""The outbox's tables by name: the rule a configured name must follow, and its identifiers.
+
+Every identifier goes through ``psycopg.sql.Identifier``, never string formatting; the SQL
+templates of ``outbox_relay.sql`` name them as ``{outbox}``, ``{dead_letter}``, ...
+"""
 
 from __future__ import annotations
 
 import re
-from functools import cache
-from importlib import resources
-from pathlib import Path
 
 from psycopg import sql
 
-_NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+from outbox_relay import sql as sql_files
+
+# One unquoted-style identifier part; a name with quotes, dots inside a part, spaces or
+# semicolons is refused rather than escaped, so logs, metrics and psql all show the same name.
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
 
-def parse_named(text: str) -> dict[str, str]:
-    """Split a file of ``-- name: x`` sections into {name: SQL text}."""
-    parts = _NAME_RE.split(text)
-    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
-
-
-@cache
-def _store_queries() -> dict[str, str]:
-    return parse_named(resources.files("relay").joinpath("queries.sql").read_text("utf-8"))
-
-
-@cache
-def api_queries() -> dict[str, str]:
-    """The named queries of the services' API (``api.sql``: relay.producer, relay.inbox)
-    without their full-line comments: they also run through SQLAlchemy's text(), which would
-    read a ``:word`` inside a comment as a parameter."""
-    text = resources.files("relay").joinpath("api.sql").read_text("utf-8")
-    return {name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
-            for name, body in parse_named(text).items()}
-
-
-def schema_text(name: str = "schema.sql") -> str:
-    """A schema template of the top-level ``sql/`` folder (``schema.sql``: the outbox;
-    ``inbox.sql``: the consumers' inbox), shipped in wheels as ``relay.schema``."""
-    try:
-        return resources.files("relay.schema").joinpath(name).read_text("utf-8")
-    except ModuleNotFoundError:  # imported from a source checkout that is not installed
-        return (Path(__file__).resolve().parent.parent / "sql" / name).read_text("utf-8")
+def table_name(text: str) -> str:
+    """``table`` or ``schema.table``, each part a plain identifier of at most 40 characters."""
+    parts = text.split(".")
+    if len(parts) > 2 or not all(_IDENT_RE.fullmatch(part) for part in parts):
+        raise ValueError(
+            "must be a table name like outbox or myschema.outbox "
+            "(letters, digits and _, at most 40 characters a part)"
+        )
+    return text
 
 
 class Tables:
@@ -75,7 +61,9 @@ class Tables:
         )
 
     def query(self, name: str) -> sql.Composed:
-        return self.compose(_store_queries()[name])
+        """A named query of sql/queries.sql for these tables."""
+        return self.compose(sql_files.queries()[name])
 
     def schema(self) -> sql.Composed:
-        return self.compose(schema_text())
+        """sql/schema.sql for these tables."""
+        return self.compose(sql_files.text("schema.sql"))

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from relay.errors import first_line
+from outbox_relay.errors import first_line
 
 # Liveness never fails sooner than this, whatever the settings.
 MIN_STALL_SECONDS = 30.0

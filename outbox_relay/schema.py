@@ -1,9 +1,9 @@
-"""Apply the schema (idempotent) for the configured table name."""
+"""The outbox's schema: as plain SQL for a table name, and applied (idempotent)."""
 
 from __future__ import annotations
 
-from relay.queries import Tables
-from relay.store import connect
+from outbox_relay.postgres import connect
+from outbox_relay.tables import Tables
 
 
 def schema_sql(table: str) -> str:

@@ -1,6 +1,6 @@
 """Run one statement on the caller's own connection, inside the caller's own transaction.
 
-What the producer API (relay.producer) and the inbox (relay.inbox) are given is whatever the
+What the producer API (outbox_relay.producer) and the inbox (outbox_relay.inbox) are given is whatever the
 service already holds: a psycopg 3 connection or cursor (sync or async), a SQLAlchemy Session
 or Connection (sync or async, any PostgreSQL driver), a Django connection or cursor, or any
 DB-API cursor of a PostgreSQL driver with the ``pyformat`` paramstyle (psycopg2). Nothing here
@@ -25,7 +25,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
-from relay.errors import NotInTransaction
+from outbox_relay.errors import NotInTransaction
 
 
 class DBAPICursor(Protocol):

@@ -1,6 +1,6 @@
 """The relay's domain types: what the loop, the store and the publisher hand each other.
 
-No driver here: relay/store.py makes ``OutboxRow``s out of psycopg rows, relay/messages.py
+No driver here: relay/store.py makes ``OutboxRow``s out of psycopg rows, outbox_relay/rules.py
 makes ``Message``s out of them, relay/publisher.py says what the broker did in a
 ``PublishResult``. Label enums are the metrics' label values (relay/metrics.py declares them).
 """
@@ -80,7 +80,7 @@ class Failure:
 @dataclass(frozen=True)
 class OutboxRow:
     """A claimed outbox row, as raw as the claim can fetch it: nothing a producer writes can
-    fail the fetch of a batch. Each row is decoded on its own (``relay.messages.to_message``)."""
+    fail the fetch of a batch. Each row is decoded on its own (``outbox_relay.relay.messages.to_message``)."""
 
     id: int
     message_id: str
@@ -109,13 +109,13 @@ class Message:
     exchange: str
     routing_key: str
     body: bytes
-    properties: Any  # pika.BasicProperties, built by relay.messages
+    properties: Any  # pika.BasicProperties, built by outbox_relay.rules
     ordering_key: str | None = None  # its row's: published after the key's older messages
 
 
 @dataclass(frozen=True)
 class Unpublishable:
-    """A row that can never be published (``relay.messages.to_message``): it is dead-lettered."""
+    """A row that can never be published (``outbox_relay.relay.messages.to_message``): it is dead-lettered."""
 
     reason: str
 

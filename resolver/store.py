@@ -1,5 +1,6 @@
 """The resolver's PostgreSQL session: prepared transactions, instance locks, COMMIT/ROLLBACK
-PREPARED, and what the metrics read. psycopg's errors stop at this edge (relay.store.translate)."""
+PREPARED, and what the metrics read. psycopg's errors stop at this edge
+(outbox_relay.postgres.translate)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,34 @@ from typing import Any
 
 import psycopg
 
-from relay import store
-from relay.model import HorizonHolder, PreparedXact, SessionRole
-from relay.queries import Tables
+from outbox_relay import postgres
+from outbox_relay.model import HorizonHolder, PreparedXact, SessionRole
+from outbox_relay.tables import Tables
+
+
+def blocked_keys(conn: psycopg.Connection[Any], tables: Tables) -> int:
+    row = conn.execute(tables.query("blocked_keys")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:
+    rows = conn.execute(Tables("outbox").query("prepared_of_prefix"), {"prefix": prefix + ":"})
+    return [PreparedXact(*row) for row in rows]
+
+
+def session_role(conn: psycopg.Connection[Any]) -> SessionRole:
+    row = conn.execute(Tables("outbox").query("session_role")).fetchone()
+    assert row is not None
+    return SessionRole(row[0], bool(row[1]))
+
+
+def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, HorizonHolder]:
+    """{holder kind: its oldest xid}; kinds: outbox_prepared (this gid prefix), other_prepared,
+    session, replication_slot. Kinds holding nothing are left out."""
+    rows = conn.execute(Tables("outbox").query("xmin_horizon"), {"prefix": prefix + ":"})
+    return {holder: HorizonHolder(int(xid_age), age_seconds)
+            for holder, xid_age, age_seconds in rows}
 
 
 class PostgresPreparedStore:
@@ -28,19 +54,19 @@ class PostgresPreparedStore:
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.closed and not self._conn.broken
 
-    @store.translated
+    @postgres.translated
     def connect(self) -> None:
         """Connect, fail fast on 2PC off or a missing schema, read the ledger key and our role."""
         self.close()
-        conn = store.connect(self._url, timeout=self._connect_timeout,
+        conn = postgres.connect(self._url, timeout=self._connect_timeout,
                              application_name="outbox-resolver")
         try:
-            store.check_server(conn)
+            postgres.check_server(conn)
             if not self._standbys_checked:  # once per process, not at every reconnect
-                store.warn_unchecked(store.check_standbys(self._url, conn, self._connect_timeout))
+                postgres.warn_unchecked(postgres.check_standbys(self._url, conn, self._connect_timeout))
                 self._standbys_checked = True
-            self.ledger_key, _database = store.read_ledger_key(conn, self.tables)
-            self.role = store.session_role(conn)
+            self.ledger_key, _database = postgres.read_ledger_key(conn, self.tables)
+            self.role = session_role(conn)
         except BaseException:
             conn.close()
             raise
@@ -54,38 +80,38 @@ class PostgresPreparedStore:
 
     @property
     def _session(self) -> psycopg.Connection[Any]:
-        return store.usable(self._conn)
+        return postgres.usable(self._conn)
 
-    @store.translated
+    @postgres.translated
     def prepared(self, prefix: str) -> list[PreparedXact]:
         """This database's prepared transactions of ``prefix``, oldest first."""
-        return store.prepared_of_prefix(self._session, prefix)
+        return prepared_of_prefix(self._session, prefix)
 
-    @store.translated
+    @postgres.translated
     def try_instance_lock(self, lock_class: int, instance: int) -> bool:
-        return store.try_instance_lock(self._session, lock_class, instance)
+        return postgres.try_instance_lock(self._session, lock_class, instance)
 
-    @store.translated
+    @postgres.translated
     def instance_unlock(self, lock_class: int, instance: int) -> None:
-        store.instance_unlock(self._session, lock_class, instance)
+        postgres.instance_unlock(self._session, lock_class, instance)
 
-    @store.translated
+    @postgres.translated
     def finish(self, gid: str, *, commit: bool) -> bool:
-        return store.finish_prepared(self._session, gid, commit=commit)
+        return postgres.finish_prepared(self._session, gid, commit=commit)
 
-    @store.translated
+    @postgres.translated
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:
-        return store.xmin_horizon(self._session, prefix)
+        return xmin_horizon(self._session, prefix)
 
-    @store.translated
+    @postgres.translated
     def outbox_stats(self) -> tuple[int, float]:
-        return store.outbox_stats(self._session, self.tables)
+        return postgres.outbox_stats(self._session, self.tables)
 
-    @store.translated
+    @postgres.translated
     def blocked_keys(self) -> int:
-        return store.blocked_keys(self._session, self.tables)
+        return blocked_keys(self._session, self.tables)
 
-    @store.translated
+    @postgres.translated
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
         """The gids of ``prefix`` prepared now and the instances whose lock is held now: one
         query, shared memory only (resolver/watch.py)."""

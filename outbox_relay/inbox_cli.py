@@ -12,10 +12,12 @@ from typing import Any
 
 import psycopg
 
-from relay import __version__, config
-from relay.errors import ConfigError, TransientError, first_line
-from relay.inbox import Inbox, inbox_schema_sql
-from relay.store import connect
+from outbox_relay.errors import ConfigError, TransientError, first_line
+from outbox_relay.inbox import Inbox, inbox_schema_sql
+from outbox_relay.postgres import connect
+from outbox_relay.runtime import options
+from outbox_relay.tables import table_name
+from outbox_relay.version import __version__
 
 _AGE_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(D|h|m|s)?$")
 _UNIT_SECONDS = {"D": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
@@ -30,21 +32,21 @@ def age_seconds(text: str) -> float:
     return seconds
 
 
-DATABASE_URL = config.Option(
-    "database_url", "OUTBOX_INBOX_DATABASE_URL", config.DATABASE_URL.parse, None,
+DATABASE_URL = options.Option(
+    "database_url", "OUTBOX_INBOX_DATABASE_URL", options.DATABASE_URL.parse, None,
     "PostgreSQL URL of the consumer's database (where its inbox and its effects live)",
     secret=True)
-TABLE = config.Option("table", "OUTBOX_INBOX_TABLE", config.table_name, "inbox",
+TABLE = options.Option("table", "OUTBOX_INBOX_TABLE", table_name, "inbox",
                       "inbox table ([schema.]name)")
-RETENTION = config.Option(
+RETENTION = options.Option(
     "older_than", "OUTBOX_INBOX_RETENTION", age_seconds, "7D",
     "delete entries processed longer ago than this (D, h, m or s); keep it above the longest "
     "time between two copies of a message")
 
 
 # Every setting of the command (for docs/configuration.md); `migrate` reads all but RETENTION.
-INBOX_OPTIONS: tuple[config.Option[Any], ...] = (DATABASE_URL, TABLE, RETENTION,
-                                                 config.CONNECT_TIMEOUT)
+INBOX_OPTIONS: tuple[options.Option[Any], ...] = (DATABASE_URL, TABLE, RETENTION,
+                                                 options.CONNECT_TIMEOUT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="create the inbox tables if missing (idempotent)")
     mig.add_argument("--print", action="store_true", dest="print_only",
                      help="print the SQL instead of applying it (for psql -f)")
-    config.add_options(mig, (DATABASE_URL, TABLE, config.CONNECT_TIMEOUT))
+    options.add_options(mig, (DATABASE_URL, TABLE, options.CONNECT_TIMEOUT))
     prune = sub.add_parser("prune", help="delete inbox entries older than the retention")
-    config.add_options(prune, (DATABASE_URL, TABLE, RETENTION, config.CONNECT_TIMEOUT))
+    options.add_options(prune, (DATABASE_URL, TABLE, RETENTION, options.CONNECT_TIMEOUT))
     return parser
 
 
@@ -67,12 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "migrate" and args.print_only:
-            table = config.resolve(args, (TABLE,))["table"]
+            table = options.resolve(args, (TABLE,))["table"]
             sys.stdout.write(inbox_schema_sql(table) + "\n")
             return 0
-        options = (DATABASE_URL, TABLE, config.CONNECT_TIMEOUT) + (
+        wanted = (DATABASE_URL, TABLE, options.CONNECT_TIMEOUT) + (
             (RETENTION,) if args.command == "prune" else ())
-        values = config.resolve(args, options)
+        values = options.resolve(args, wanted)
         inbox = Inbox(values["table"])
         with connect(values["database_url"], timeout=values["connect_timeout"],
                      application_name=f"outbox-inbox {args.command}") as conn:

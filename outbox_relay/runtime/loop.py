@@ -11,9 +11,9 @@ from abc import ABC, abstractmethod
 
 from prometheus_client import Gauge
 
-from relay import backoff
-from relay.health import Health
-from relay.signals import Stop
+from outbox_relay.runtime import backoff
+from outbox_relay.runtime.health import Health
+from outbox_relay.runtime.signals import Stop
 
 
 class Loop(ABC):

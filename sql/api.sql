@@ -1,6 +1,6 @@
--- Named queries of the Python API for services (relay.producer, relay.inbox). {outbox}, {inbox}
--- and {inbox_keys} are identifiers composed with psycopg.sql; %(x)s are bind parameters. Casts
--- are written CAST(x AS type), which SQLAlchemy's text() reads as well as psycopg.
+-- Named queries of the Python API for services (outbox_relay.producer, outbox_relay.inbox).
+-- {outbox}, {inbox} and {inbox_keys} are identifiers composed with psycopg.sql; %(x)s are bind
+-- parameters. Casts are written CAST(x AS type), which SQLAlchemy's text() reads as well as psycopg.
 
 -- name: enqueue
 -- The producer's INSERT: one statement for any number of events (one round trip), in the

@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from relay.errors import ConfigError, StartupCheckError, TransientError
+from outbox_relay.errors import ConfigError, StartupCheckError, TransientError
 
 EXIT_OK = 0  # done, or stopped by a signal
 EXIT_FAILED = 1  # anything else (a server unreachable where nothing retries: --once, commands)

@@ -32,10 +32,12 @@ import psycopg.errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from relay import caller, config
-from relay.errors import ConfigError, InboxError
-from relay.messages import ORDERING_KEY_HEADER, POSITION_HEADER
-from relay.queries import api_queries, schema_text
+from outbox_relay import caller
+from outbox_relay import sql as sql_files
+from outbox_relay.errors import ConfigError, InboxError
+from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
+from outbox_relay.sql import api_queries
+from outbox_relay.tables import table_name
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractIncomingMessage
@@ -134,7 +136,7 @@ class _Tables:
         if not isinstance(table, str):
             raise ConfigError(f"inbox table must be a str, got {type(table).__name__}")
         try:
-            config.table_name(table)
+            table_name(table)
         except ValueError as exc:
             raise ConfigError(f"inbox table {table!r} {exc}") from None
         *schema, name = table.split(".")
@@ -152,7 +154,7 @@ class _Tables:
 def inbox_schema_sql(table: str = "inbox") -> str:
     """The inbox schema for ``table`` as plain SQL (idempotent): for psql, an Alembic
     ``op.execute`` or a Django ``migrations.RunSQL``."""
-    return _Tables(table).compose(schema_text("inbox.sql")).as_string(None)
+    return _Tables(table).compose(sql_files.text("inbox.sql")).as_string(None)
 
 
 def _connection_lost(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
@@ -201,7 +203,7 @@ class Inbox:
         each other). Commits unless ``conn`` is already inside a transaction."""
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay inbox migrate'))")
-            conn.execute(self._tables.compose(schema_text("inbox.sql")))
+            conn.execute(self._tables.compose(sql_files.text("inbox.sql")))
 
     def prune(self, conn: psycopg.Connection[Any], *,
               older_than: float = DEFAULT_RETENTION_SECONDS) -> int:

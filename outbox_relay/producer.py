@@ -1,11 +1,11 @@
 """The producer side: add events to the outbox inside the caller's own transaction.
 
 ``enqueue`` writes one event, ``enqueue_many`` any number in one statement (one round trip).
-Both check every event against the relay's own rules first (relay.messages.publish_problem,
+Both check every event against the relay's own rules first (outbox_relay.rules.publish_problem,
 the function the relay dead-letters rows with) and raise InvalidEvent naming the field, so a bad
 event fails in the producer, before anything is written and with the caller's transaction still
 usable, instead of becoming a dead letter later. Neither commits: the event commits or rolls
-back with the caller's own change. The targets they take are listed in relay.caller; given an
+back with the caller's own change. The targets they take are listed in outbox_relay.caller; given an
 asynchronous one (psycopg AsyncConnection or AsyncCursor, SQLAlchemy AsyncSession or
 AsyncConnection) they return a coroutine to await.
 """
@@ -23,11 +23,18 @@ from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 import psycopg
 
-from relay import caller, config, migrate
-from relay.errors import ConfigError, InvalidEvent
-from relay.messages import RELAY_HEADERS, message_headers, publish_problem
-from relay.publisher import DEFAULT_FRAME_MAX
-from relay.queries import Tables, api_queries
+from outbox_relay import caller, schema
+from outbox_relay.errors import ConfigError, InvalidEvent
+from outbox_relay.rules import (
+    DEFAULT_FRAME_MAX,
+    DEFAULT_LEDGER_STREAM,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RELAY_HEADERS,
+    message_headers,
+    publish_problem,
+)
+from outbox_relay.sql import api_queries
+from outbox_relay.tables import Tables, table_name
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection as SAConnection
@@ -35,16 +42,13 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
     from sqlalchemy.orm import Session, scoped_session
 
-    # What the API takes (relay.caller): a Django connection or cursor is a DBAPICursor or
+    # What the API takes (outbox_relay.caller): a Django connection or cursor is a DBAPICursor or
     # is typed Any by Django itself.
     SyncTarget: TypeAlias = (psycopg.Connection[Any] | psycopg.Cursor[Any] | Session
                              | scoped_session[Any] | SAConnection | caller.DBAPICursor)
     AsyncTarget: TypeAlias = (psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
                               | AsyncSession | async_scoped_session[Any] | SAAsyncConnection)
 
-# The relay's default OUTBOX_MAX_MESSAGE_BYTES: pass the relay's setting if it runs with another.
-DEFAULT_MAX_MESSAGE_BYTES: int = config.RelaySettings.max_message_bytes
-_DEFAULT_LEDGER_STREAM: str = config.RelaySettings.ledger_stream
 # An id larger than any the outbox will give: the headers of a keyed event are checked with
 # the position header at its largest encoding.
 _LARGEST_ID = 2**63 - 1
@@ -85,7 +89,7 @@ def _check_table(table: str) -> None:
     if not isinstance(table, str):
         raise ConfigError(f"table must be a str, got {type(table).__name__}")
     try:
-        config.table_name(table)
+        table_name(table)
     except ValueError as exc:
         raise ConfigError(f"table {table!r} {exc}") from None
 
@@ -169,7 +173,7 @@ def _row(event: Event, max_message_bytes: int) -> _Row:
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
         headers=message_headers(headers, ordering_key, _LARGEST_ID), content_type=content_type,
         json_payload=payload is not None, max_message_bytes=max_message_bytes,
-        frame_max=DEFAULT_FRAME_MAX, ledger_stream=_DEFAULT_LEDGER_STREAM)
+        frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM)
     if found is not None:
         raise InvalidEvent(found.field, found.reason)
     return _Row(message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
@@ -286,7 +290,7 @@ def schema_sql(table: str = "outbox") -> str:
     idempotent, for an Alembic ``op.execute`` or a Django ``migrations.RunSQL``. The same text
     as ``outbox-relay migrate --print``."""
     _check_table(table)
-    return migrate.schema_sql(table)
+    return schema.schema_sql(table)
 
 
 __all__: Sequence[str] = ["DEFAULT_MAX_MESSAGE_BYTES", "Event", "enqueue", "enqueue_many",

@@ -1,0 +1,250 @@
+"""What the relay refuses to publish, and why: the one set of rules of the relay and the
+producer API.
+
+Every column of a row is the producer's: ``publish_problem`` decides from plain values whether
+the relay would dead-letter a row and why (the producer API calls it before its INSERT);
+``field_problem`` and ``encoding_problem`` are the same checks as the relay runs them on a
+claimed row (outbox_relay.relay.messages). pika is not imported here: struct encodes the usual
+header tables (outbox_relay.properties), and pika's own encoder is loaded only to measure a
+table of another shape (nested, floats, lists).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
+
+from outbox_relay import properties
+
+SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type
+# Deeper header tables are refused before anything recursive (JSON decoding, conversion,
+# pika's encoder) meets them: jsonb accepts nesting thousands of levels deep.
+HEADERS_DEPTH_MAX = 64
+# The AMQP timestamp is an unsigned 64-bit count of seconds; consumers read it as a date, so
+# it must be a date of years 1970 to 9999.
+TIMESTAMP_MIN = 0
+TIMESTAMP_END = 253402300800  # 10000-01-01T00:00:00Z
+REASON_MAX = 500  # characters of a library's text kept in a reason
+# pika's (and RabbitMQ's) default frame_max, until a connection negotiated its own.
+DEFAULT_FRAME_MAX = 131072
+# The relay's defaults of OUTBOX_MAX_MESSAGE_BYTES and OUTBOX_LEDGER_STREAM: the producer API
+# checks events against them unless told the relay's own settings.
+DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+DEFAULT_LEDGER_STREAM = "outbox.ledger"
+
+# Headers the relay sets on the message of a row that has an ordering_key: the key itself, and
+# the row's id, the event's position among the events of its key (ids grow in commit order for
+# producers that serialize their transactions per key). Consumers read them (the inbox's
+# per-key check does); a producer's own headers of these names are replaced.
+ORDERING_KEY_HEADER = "x-ordering-key"
+POSITION_HEADER = "x-outbox-id"
+RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
+# The headers column as the claim returns it when a producer sets none (its default).
+EMPTY_HEADERS = "{}"
+# A header frame around its properties: frame type, channel and size, class, weight and body
+# size, frame end.
+HEADER_FRAME_OVERHEAD = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a message can never be published: the field at fault and the dead-letter reason."""
+
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def _shortstr(name: str, value: str) -> Problem | None:
+    # An ASCII string is as long in bytes as in characters: most need no encoding to measure.
+    if not (value.isascii() and len(value) <= SHORTSTR_MAX) and len(value.encode()) > SHORTSTR_MAX:
+        return Problem(name, f"{name} is longer than {SHORTSTR_MAX} bytes")
+    return None
+
+
+def amqp_value(value: Any) -> Any:
+    """JSON to AMQP table values: pika encodes no floats, so a fractional number is a decimal."""
+    if isinstance(value, float):
+        return Decimal(repr(value))
+    if isinstance(value, dict):
+        return {k: amqp_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [amqp_value(v) for v in value]
+    return value
+
+
+def message_headers(headers: Any, ordering_key: str | None, position: int) -> Any:
+    """The headers published for a row: its own, plus ORDERING_KEY_HEADER and POSITION_HEADER
+    when it has an ordering key. Anything but a JSON object is returned as it is (the checks
+    refuse it)."""
+    if ordering_key is None or not isinstance(headers, dict):
+        return headers
+    return {**headers, ORDERING_KEY_HEADER: ordering_key, POSITION_HEADER: position}
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """True if ``value`` nests more than ``limit`` objects or arrays deep (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def short_reason(exc: BaseException) -> str:
+    """A library error as a dead-letter reason: its first line, at most REASON_MAX characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:REASON_MAX]
+
+
+def ledger_address_problem(exchange: str, routing_key: str,
+                           ledger_stream: str | None) -> Problem | None:
+    """A row addressed to the ledger: the default exchange with the stream's name as routing key,
+    or the ledger's own exchange. The relay would otherwise append it to the ledger itself."""
+    if ledger_stream is None:
+        return None
+    if (exchange == "" and routing_key == ledger_stream) or exchange == ledger_stream:
+        return Problem("exchange" if exchange else "routing_key", (
+            f"addressed to the ledger stream {ledger_stream!r} (exchange {exchange!r}, "
+            f"routing key {routing_key[:SHORTSTR_MAX]!r}): no row may write to the ledger"))
+    return None
+
+
+def timestamp_problem(created_at: float, shown: Any) -> Problem | None:
+    if not (math.isfinite(created_at) and TIMESTAMP_MIN <= created_at < TIMESTAMP_END):
+        return Problem("created_at", f"created_at {shown} cannot be an AMQP timestamp (a date "
+                                     "from 1970 to 9999 is required)")
+    return None
+
+
+def _epoch(created_at: float | datetime) -> float:
+    if isinstance(created_at, datetime):
+        if created_at.tzinfo is None:
+            created_at = created_at.replace(tzinfo=timezone.utc)
+        return created_at.timestamp()
+    return float(created_at)
+
+
+def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size: int,
+                  headers: Any, content_type: str, created_at: float, created_shown: Any,
+                  max_message_bytes: int, ledger_stream: str | None,
+                  flat: bool = False) -> Problem | None:
+    """Why a message with these fields can never be published, or None, before its properties
+    are encoded. ``flat``: headers known to be a dict of str and int values (no depth to check)."""
+    error = (
+        _shortstr("exchange", exchange)
+        or _shortstr("routing_key", routing_key)
+        or _shortstr("message_id", message_id)
+        or _shortstr("content_type", content_type)
+        or ledger_address_problem(exchange, routing_key, ledger_stream)
+    )
+    if error is None and not isinstance(headers, dict):
+        error = Problem("headers", f"headers must be a JSON object, got {type(headers).__name__}")
+    if error is None and not flat and _depth_over(headers, HEADERS_DEPTH_MAX):
+        error = Problem("headers", f"headers are nested deeper than {HEADERS_DEPTH_MAX} levels")
+    error = error or timestamp_problem(created_at, created_shown)
+    if error is None and body_size > max_message_bytes:
+        error = Problem("payload", f"payload of {body_size} bytes exceeds "
+                                   f"OUTBOX_MAX_MESSAGE_BYTES={max_message_bytes}")
+    return error
+
+
+def property_fields(message_id: str, content_type: str, table: Mapping[str, Any] | None,
+                    created_at: float) -> dict[str, Any]:
+    """The AMQP properties of a message (persistent), by pika's names."""
+    return {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
+            "headers": table or None, "timestamp": int(created_at)}
+
+
+def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
+                     frame_max: int) -> tuple[Problem | None, bytes | None]:
+    """(why these properties cannot go out, or None; their wire form when struct encodes them).
+
+    The header frame (properties, headers included) cannot be split: over frame_max, the broker
+    closes the whole connection (FRAME_ERROR) and fails every batch in it.
+    """
+    try:
+        wire = properties.wire(**fields)
+        if not fields["headers"]:
+            return None, wire
+        size = (HEADER_FRAME_OVERHEAD + len(wire) if wire is not None
+                else _pika_header_frame_size(fields, body_size))
+    except Exception as exc:  # pika's encoder: struct.error, TypeError, ValueError, ...
+        return Problem("headers", f"headers cannot be encoded as an AMQP table: {short_reason(exc)}"), None
+    if size > frame_max:
+        return Problem("headers", f"headers make a header frame of {size} bytes, over "
+                                  f"the broker's frame_max of {frame_max} bytes"), None
+    return None, wire
+
+
+def _pika_header_frame_size(fields: Mapping[str, Any], body_size: int) -> int:
+    """The header frame pika writes for properties struct does not encode (imported here only:
+    most tables never need it, and the producer API loads no pika for them)."""
+    import pika.frame
+    import pika.spec
+
+    return len(pika.frame.Header(1, body_size, pika.spec.BasicProperties(**fields)).marshal())
+
+
+def publish_problem(
+    *,
+    message_id: str,
+    exchange: str,
+    routing_key: str,
+    body_size: int,
+    headers: Any = None,
+    content_type: str | None = None,
+    json_payload: bool = True,
+    created_at: float | datetime | None = None,
+    max_message_bytes: int,
+    frame_max: int = DEFAULT_FRAME_MAX,
+    ledger_stream: str | None = None,
+) -> Problem | None:
+    """Why the relay would dead-letter a row with these values (the field at fault and the
+    reason it would dead-letter the row with), or None if it would publish it.
+
+    ``headers`` is the decoded JSON value of the headers column (None: empty), ``body_size`` the
+    payload's size in bytes (a JSON payload's UTF-8 text), ``created_at`` a datetime or epoch
+    seconds (None: now). ``frame_max`` is the broker's (the relay uses the value its connection
+    negotiated), ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts
+    (unroutable, no such exchange, refused) are not foreseen here.
+    """
+    stamp = datetime.now(timezone.utc).timestamp() if created_at is None else _epoch(created_at)
+    headers = {} if headers is None else headers
+    content_type = content_type or default_content_type(json_payload)
+    error = field_problem(
+        message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
+        headers=headers, content_type=content_type, created_at=stamp, created_shown=created_at,
+        max_message_bytes=max_message_bytes, ledger_stream=ledger_stream)
+    if error is not None:
+        return error
+    fields = property_fields(message_id, content_type, amqp_value(headers), stamp)
+    return encoding_problem(fields, body_size=body_size, frame_max=frame_max)[0]
+
+
+def default_content_type(json_payload: bool) -> str:
+    """The content type of a row that sets none: JSON for ``payload``, bytes for
+    ``payload_bytes``."""
+    return "application/json" if json_payload else "application/octet-stream"
+
+
+def decode_headers(text: str) -> tuple[Any, str | None]:
+    """(the headers' value, None) or (None, why they cannot be decoded)."""
+    try:
+        return json.loads(text), None
+    except RecursionError:
+        return None, "headers are nested too deeply to decode"
+    except (ValueError, OverflowError) as exc:
+        return None, f"headers cannot be decoded: {short_reason(exc)}"

@@ -1,0 +1,97 @@
+"""The resolver's Prometheus metrics, on a registry of its own (docs/operations.md's table is
+generated from it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+
+from outbox_relay.model import Decision
+from outbox_relay.runtime.metrics import SERVERS, standard_collectors, version
+
+DECISIONS = tuple(Decision)
+
+# Why the resolver ignored a ledger record naming an in-doubt batch.
+LEDGER_REJECTIONS = ("unauthenticated", "other_transaction")
+
+# Who keeps the oldest transaction id alive: our prepared batches, anyone else's prepared
+# transactions, sessions (running transactions and snapshots), replication slots.
+HORIZON_HOLDERS = ("outbox_prepared", "other_prepared", "session", "replication_slot")
+
+
+class ResolverMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        standard_collectors(r)
+        self.build_info = Info(
+            "outbox_resolver_build", "The resolver's version (value 1)", registry=r)
+        self.build_info.info({"version": version()})
+        self.lag = Gauge(
+            "outbox_lag_seconds",
+            "Age of the oldest unpublished row of OUTBOX_TABLE, from one table-wide query every "
+            "OUTBOX_STATS_INTERVAL however many relays run (NaN while the query fails)",
+            registry=r)
+        self.backlog = Gauge(
+            "outbox_backlog_events",
+            "Rows waiting in OUTBOX_TABLE (the same query; NaN while it fails)", registry=r)
+        self.blocked_keys = Gauge(
+            "outbox_blocked_keys",
+            "Ordering keys held back behind a dead letter: none of their rows is published "
+            "until the dead letter is requeued or discarded (the same schedule; NaN while it "
+            "fails)", registry=r)
+        self.in_doubt = Gauge(
+            "outbox_prepared_transactions",
+            "Prepared transactions of this gid prefix (in doubt or in flight)", registry=r)
+        self.oldest_age = Gauge(
+            "outbox_prepared_oldest_age_seconds",
+            "Age of the oldest prepared transaction of this gid prefix; it holds its rows' locks "
+            "and may hold back VACUUM", registry=r)
+        self.holding_vacuum = Gauge(
+            "outbox_prepared_holding_vacuum_age_seconds",
+            "Age of our oldest prepared transaction while it is what holds back this database's "
+            "xmin horizon (VACUUM cannot remove rows deleted after it); 0 while nothing of ours, "
+            "or something older, holds it", registry=r)
+        self.session_transaction_age = Gauge(
+            "outbox_session_transaction_age_seconds",
+            "Age of the oldest open transaction or snapshot of another client session in this "
+            "database: while it lives VACUUM removes no outbox row deleted after it began, and "
+            "each claim walks the dead rows (OutboxVacuumHeldBySession); 0 while there is none",
+            registry=r)
+        self.horizon_age = Gauge(
+            "outbox_xmin_horizon_age_transactions",
+            "Age in transactions (age(xid)) of the oldest transaction id each kind of holder keeps "
+            "alive in this database: outbox_prepared (our gid prefix), other_prepared, session "
+            "(open transactions and snapshots; other databases' sessions only hold back shared "
+            "catalogs and are left out), replication_slot; the largest is the xmin horizon",
+            ["holder"], registry=r)
+        self.decisions = Counter(
+            "outbox_resolver_decisions_total", "In-doubt transactions finished, by outcome",
+            ["outcome"], registry=r)
+        self.scans = Counter(
+            "outbox_resolver_scans_total", "Completed scans of pg_prepared_xacts", registry=r)
+        self.scan_errors = Counter(
+            "outbox_resolver_scan_errors_total", "Scans that failed (retried with backoff)",
+            registry=r)
+        self.ledger_rejected = Counter(
+            "outbox_resolver_ledger_records_rejected_total",
+            "Ledger records naming an in-doubt batch that prove nothing about it, by reason "
+            "(unauthenticated: not signed with the ledger key, a forgery; other_transaction: "
+            "signed for another xid or database); each is ignored and counted once",
+            ["reason"], registry=r)
+        self.reconnects = Counter(
+            "outbox_resolver_reconnects_total", "Successful reconnections, by server", ["server"],
+            registry=r)
+        self.last_scan = Gauge(
+            "outbox_resolver_last_scan_timestamp_seconds", "When the last scan completed",
+            registry=r)
+        self.last_loop = Gauge(
+            "outbox_resolver_last_loop_timestamp_seconds",
+            "When the resolver loop last turned (a scan, successful or not)", registry=r)
+        for holder in HORIZON_HOLDERS:
+            self.horizon_age.labels(holder)
+        for outcome in DECISIONS:
+            self.decisions.labels(outcome)
+        for reason in LEDGER_REJECTIONS:
+            self.ledger_rejected.labels(reason)
+        for server in SERVERS:
+            self.reconnects.labels(server)

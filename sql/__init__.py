@@ -1,0 +1,41 @@
+"""Every SQL file of outbox-relay, shipped inside the wheel as ``outbox_relay.sql``.
+
+``schema.sql`` (the outbox, its dead-letter table, the ledger key) and ``inbox.sql`` (the
+consumers' inbox) are templates any service can apply; ``roles.sql`` is run with psql;
+``queries.sql`` holds the programs' named queries and ``api.sql`` the services' (the producer's
+INSERT, the inbox's statements). Identifiers are filled in by ``outbox_relay.tables.Tables``.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+_NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def text(name: str) -> str:
+    """The text of one SQL file of this folder."""
+    return resources.files(__name__).joinpath(name).read_text("utf-8")
+
+
+def parse_named(text: str) -> dict[str, str]:
+    """Split a file of ``-- name: x`` sections into {name: SQL text}."""
+    parts = _NAME_RE.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+@cache
+def queries() -> dict[str, str]:
+    """The programs' named queries (``queries.sql``)."""
+    return parse_named(text("queries.sql"))
+
+
+@cache
+def api_queries() -> dict[str, str]:
+    """The named queries of the services' API (``api.sql``: the producer, the inbox) without
+    their full-line comments: they also run through SQLAlchemy's text(), which would read a
+    ``:word`` inside a comment as a parameter."""
+    return {name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
+            for name, body in parse_named(text("api.sql")).items()}

@@ -1,0 +1,70 @@
+"""``import outbox_relay`` loads the services' library only: no module of either program, not
+their runtime, no pika, no optional integration. A web service imports it just to call
+``enqueue``; each program loads what it needs when it starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+# What a service's process must not load by importing the library: the programs, what only
+# the programs run on, the broker client, and the optional integrations.
+NOT_FOR_SERVICES = ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
+                    "outbox_relay.rabbitmq", "outbox_relay.pika_private", "pika", "tenacity",
+                    "prometheus_client", "sqlalchemy", "aio_pika", "django")
+
+
+def loaded_after(statement: str) -> list[str]:
+    code = f"import sys; {statement}; import json; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    modules: list[str] = json.loads(done.stdout)
+    return modules
+
+
+def of(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes)]
+
+
+def test_the_library_loads_no_program_and_no_pika() -> None:
+    modules = loaded_after("import outbox_relay")
+    assert of(modules, NOT_FOR_SERVICES) == []
+    # Nor a bare ``relay`` or ``resolver``: the programs have one name, under outbox_relay.
+    assert of(modules, ("relay", "resolver", "sql")) == []
+
+
+@pytest.mark.parametrize("statement", [
+    # The producer's checks with a plain and a keyed event: the header table is encoded by
+    # struct (outbox_relay.properties), pika is not needed to measure it.
+    "from outbox_relay.rules import publish_problem; "
+    "publish_problem(message_id='m', exchange='e', routing_key='r', body_size=10, "
+    "headers={'x-ordering-key': 'k', 'x-outbox-id': 1, 'tenant': 'a'}, max_message_bytes=100)",
+    "from outbox_relay import schema_sql, inbox_schema_sql; schema_sql(); inbox_schema_sql()",
+    "from outbox_relay import Inbox; Inbox('inbox', consumer='billing')",
+])
+def test_using_the_library_loads_no_program(statement: str) -> None:
+    assert of(loaded_after(f"import outbox_relay; {statement}"), NOT_FOR_SERVICES) == []
+
+
+def test_a_header_table_of_another_shape_is_measured_by_pika() -> None:
+    """Only a table struct does not encode (nested, floats) loads pika's encoder to measure it."""
+    modules = loaded_after(
+        "from outbox_relay.rules import publish_problem; "
+        "publish_problem(message_id='m', exchange='e', routing_key='r', body_size=10, "
+        "headers={'nested': {'price': 1.5}}, max_message_bytes=100)")
+    assert "pika" in modules
+    assert of(modules, ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime")) == []
+
+
+@pytest.mark.parametrize("program", ["outbox_relay.relay.cli", "outbox_relay.resolver.cli"])
+def test_each_program_loads_the_other_not(program: str) -> None:
+    other = "outbox_relay.resolver" if "relay.cli" in program else "outbox_relay.relay"
+    modules = loaded_after(f"import {program}")
+    assert of(modules, (other,)) == []
+    assert of(modules, ("relay", "resolver", "sql")) == []

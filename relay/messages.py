@@ -44,8 +44,9 @@ class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no t
 def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
             timestamp: int) -> BasicProperties:
     """Persistent message properties: encoded beforehand when their shape allows, else pika's."""
-    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-              "headers": headers or None, "timestamp": timestamp}
+    fields: dict[str, Any] = {"delivery_mode": 2, "message_id": message_id,
+                              "content_type": content_type, "headers": headers or None,
+                              "timestamp": timestamp}
     return _properties(fields, properties.wire(**fields))
 
 

@@ -1,7 +1,7 @@
 """The Grafana dashboard (deploy/grafana/outbox-relay.json), written by ``./dev docs``.
 
 Kept as code so every query gets the same label filter and grouping, and the thresholds are the
-alert rules' own levels (deploy/prometheus/alerts.yml; tests/unit/test_deploy_files.py checks
+alert rules' own levels (deploy/prometheus/alerts.yml; tests/repository/test_deploy_files.py checks
 they agree).
 """
 

@@ -1,6 +1,6 @@
 """The reference parts of the docs, generated from the code: ``./dev docs`` (or
 ``python -m devenv.reference``) writes them, ``--check`` says whether the committed files are
-current (tests/unit/test_reference.py runs that check).
+current (tests/repository/test_reference.py runs that check).
 
 - docs/configuration.md, whole, from the option declarations (outbox_relay/runtime/options.py,
   relay/settings.py, resolver/settings.py, outbox_relay/inbox_cli.py) and the option lists of

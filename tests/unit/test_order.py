@@ -7,7 +7,7 @@ import pytest
 from outbox_relay.model import Message, OutboxRow
 from outbox_relay.relay.waves import held_back, waves
 from tests.unit.fakes import Outcome
-from tests.unit.test_worker import Rig, make_rig
+from tests.unit.relay_rig import Rig, make_rig
 
 
 def message(row_id: int, key: str | None, routing_key: str = "r") -> Message:
@@ -37,11 +37,6 @@ def test_held_back_are_the_newer_messages_of_a_stopped_key_only() -> None:
     assert [m.row_id for m in held_back(batch, [row(1, "a")])] == [2, 3]
     assert held_back(batch, [row(3, None)]) == []
     assert [m.row_id for m in held_back(batch, [row(2, "a")])] == [3]
-
-
-@pytest.fixture
-def rig(monkeypatch: pytest.MonkeyPatch) -> Rig:
-    return make_rig(monkeypatch)
 
 
 def test_the_next_wave_goes_out_only_after_the_last_is_confirmed(rig: Rig) -> None:

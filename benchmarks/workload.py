@@ -40,7 +40,7 @@ CEILING_BODY = b'{"key": "k1", "pad": "' + b"x" * PAD + b'", "seq": 12345}'
 # With key_headers, a row without a key carries the headers the relay adds to a keyed row's
 # message (x-ordering-key, x-outbox-id): what those headers cost apart from the order.
 # KEY_SQL is that key as SQL over n (with %(keys)s and %(shuffled)s), also for the benchmarks
-# that insert rows of their own (benchmarks/instructions.py).
+# that insert rows of their own (benchmarks/studies/instructions.py).
 KEY_SQL = ("CASE WHEN %(keys)s > 0 THEN 'k' || ("
            "CASE WHEN %(shuffled)s THEN hashint8(n)::bigint + 2147483648 ELSE n END "
            "%% greatest(%(keys)s, 1)) END")

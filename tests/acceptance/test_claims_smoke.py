@@ -1,4 +1,4 @@
-"""The steady-state claim counter (benchmarks/claims.py) runs end to end in a small size, so it
+"""The steady-state claim counter (benchmarks/studies/claims.py) runs end to end in a small size, so it
 cannot rot, and counts what it says: with keys held by batches in flight, claims still come back
 full (their rows are stepped over, not locked and left: sql/queries.sql)."""
 
@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 def claims(tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / "claims.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.claims", "--rows", "8000", "--relays", "2", *args,
+        [sys.executable, "-m", "benchmarks.studies.claims", "--rows", "8000", "--relays", "2", *args,
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     counted: dict[str, Any] = json.loads(out.read_text())

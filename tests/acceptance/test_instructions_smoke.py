@@ -1,4 +1,4 @@
-"""The instruction counter (benchmarks/instructions.py) runs end to end in a small size, so it
+"""The instruction counter (benchmarks/studies/instructions.py) runs end to end in a small size, so it
 cannot rot: to_message in Python processes under callgrind, the claim on a PostgreSQL started
 under callgrind (devenv.servers' wrapper)."""
 
@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 def test_instructions_smoke(tmp_path: Path) -> None:
     out = tmp_path / "instructions.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.instructions", "--rows", "400", "--batch", "200",
+        [sys.executable, "-m", "benchmarks.studies.instructions", "--rows", "400", "--batch", "200",
          "--keys", "100", "--shuffled-keys", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""What the relays' table-wide lag and backlog query costs: ``python -m benchmarks.stats_query``.
+"""What the relays' table-wide lag and backlog query costs:
+``python -m benchmarks.studies.stats_query``.
 
 Every relay runs the store's ``stats`` query (``count(*)`` and ``min(created_at)`` over the whole
 outbox) once every ``OUTBOX_STATS_INTERVAL`` (5 s), for ``outbox_relay_backlog_events`` and
@@ -129,7 +130,8 @@ def _print(result: dict[str, Any], interval: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.stats_query", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.stats_query",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backlog", type=int, nargs="+", default=[0, 10_000, 100_000, 1_000_000],
                         help="outbox sizes to measure, ascending (default: 0 10000 100000 1000000)")

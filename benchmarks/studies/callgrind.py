@@ -1,7 +1,7 @@
 """A PostgreSQL whose backends run under callgrind, and their instruction counts.
 
-Shared by benchmarks.instructions (one claim session) and benchmarks.claims --callgrind (relays
-claiming in turn). Needs valgrind (Debian's package).
+Shared by benchmarks.studies.instructions (one claim session) and benchmarks.studies.claims
+--callgrind (relays claiming in turn). Needs valgrind (Debian's package).
 """
 
 from __future__ import annotations

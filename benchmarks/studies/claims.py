@@ -1,8 +1,8 @@
 """What each claim returns at the relays' steady state, without a broker: how many of the rows
 a claim asks for it takes, and what the claims cost PostgreSQL.
 
-    python -m benchmarks.claims [--rows N] [--keys K] [--shuffled-keys] [--relays R] [--callgrind]
-                                [--out JSON]
+    python -m benchmarks.studies.claims [--rows N] [--keys K] [--shuffled-keys] [--relays R]
+                                        [--callgrind] [--out JSON]
 
 R stores (each a relay's two sessions) drain N rows of the benchmark's workload in turn, each
 claiming its next batch of 2,000 while its own batch and the other relays' are prepared, as a
@@ -27,8 +27,8 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.cpu import CpuMeter
+from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.workload import code_version, insert_events, say, write_results
 from devenv.servers import PostgresServer
 from outbox_relay.relay.store import OutboxStore
@@ -91,7 +91,7 @@ def drain(url: str, relays: int) -> tuple[dict[str, Any], list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.claims",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.claims",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, default=200_000, help="rows drained")
     parser.add_argument("--keys", type=int, default=10_000,
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 sum(backend_total(server, pid) for pid in pids) / args.rows)
     finally:
         stop_server(server)
-    results = {"command": " ".join(["python -m benchmarks.claims", *(argv or sys.argv[1:])]),
-               "code": code_version(), "rows": args.rows, "keys": args.keys,
+    command = " ".join(["python -m benchmarks.studies.claims", *(argv or sys.argv[1:])])
+    results = {"command": command, "code": code_version(), "rows": args.rows, "keys": args.keys,
                "shuffled_keys": args.shuffled_keys, "relays": args.relays, "batch": BATCH,
                **counted}
     say(f"{args.relays} relays, {args.keys:,} keys{' shuffled' if args.shuffled_keys else ''}: "

@@ -2,7 +2,8 @@
 the machine does. On a shared 2-core machine a rate moves by a third from one minute to the
 next, and a change worth a few per cent shows only here.
 
-    python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys] [--out JSON]
+    python -m benchmarks.studies.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys]
+                                              [--out JSON]
 
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but the two headers a keyed message gets written in the headers column), in one Python
@@ -29,7 +30,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from benchmarks.callgrind import backend_total, callgrind_server, stop_server
+from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.workload import KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from outbox_relay.model import OutboxRow
@@ -69,8 +70,8 @@ def _callgrind_python(args: list[str]) -> int:
     # One hash seed: dicts and sets then do the same work from run to run.
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-         "-m", "benchmarks.instructions", *args], capture_output=True, text=True, check=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"})
+         "-m", "benchmarks.studies.instructions", *args], capture_output=True, text=True,
+        check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     found = _COLLECTED.search(out.stderr)
     if found is None:
         raise RuntimeError(f"no instruction count from callgrind:\n{out.stderr[-2000:]}")
@@ -138,7 +139,7 @@ def claim(rows: int, batch: int, keys: int, shuffled: bool = False) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.instructions",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, default=20_000, help="rows claimed, and built")
     parser.add_argument("--batch", type=int, default=2_000, help="rows a claim asks for")
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows < args.batch or args.keys < 1:
         parser.error("--rows must be at least --batch, and --keys at least 1")
     results: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.instructions", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.studies.instructions",
+                             *(argv or sys.argv[1:])]),
         "rows": args.rows, "batch": args.batch, "keys": args.keys,
         "shuffled_keys": args.shuffled_keys,
         "build": build(min(args.rows, 2_000), args.keys),

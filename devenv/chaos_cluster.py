@@ -4,8 +4,8 @@ A 3-node RabbitMQ cluster (a quorum sink queue, the ledger stream replicated on 
 nodes) and a PostgreSQL primary with a synchronous streaming standby; 4 relays and a resolver
 given every node's URL (OUTBOX_AMQP_URL) and libpq's multi-host URL with
 target_session_attrs=read-write (OUTBOX_DATABASE_URL). While a producer inserts a steady stream
-of events and the hostile producer of devenv/chaos.py mixes in rows that must be dead-lettered,
-a loop injects, every few seconds, one of:
+of events and the hostile producer (devenv/chaos_run.py, as in devenv/chaos.py) mixes in rows
+that must be dead-lettered, a loop injects, every few seconds, one of:
 
 - ``relay``: SIGKILL of a relay (restarted at once);
 - ``connected_node``: SIGKILL of the RabbitMQ node a relay is connected to (restarted later);
@@ -59,7 +59,7 @@ import pika.exceptions
 import psycopg
 
 from devenv import checker
-from devenv.chaos import (
+from devenv.chaos_run import (
     EXCHANGE,
     LEDGER,
     MAX_MESSAGE_BYTES,
@@ -67,9 +67,9 @@ from devenv.chaos import (
     HostileProducer,
     Producer,
     Tally,
-    _scalar,
-    _spawn,
-    _watch_in_doubt,
+    scalar,
+    spawn,
+    watch_in_doubt,
 )
 from devenv.proxy import LOOPBACK, Proxy
 from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
@@ -449,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
                     "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
                     "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(Path.cwd())})
         names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
-        procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
+        procs = [spawn(name, name.split("-")[0], env, logdir) for name in names]
 
         injector = Injector(rng, tally, figures, cluster, pair,
-                            lambda i: _spawn(f"relay-{i}", "relay", env, logdir), procs,
+                            lambda i: spawn(f"relay-{i}", "relay", env, logdir), procs,
                             args.relays, mq_proxies=mq_proxies, pg_proxies=pg_proxies)
 
         def respawn_exited() -> None:
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                     tally.unexpected_exits += 1
                     print(f"  {names[i]} exited by itself ({proc.returncode}); restarted",
                           flush=True)
-                    procs[i] = _spawn(names[i], names[i].split("-")[0], env, logdir)
+                    procs[i] = spawn(names[i], names[i].split("-")[0], env, logdir)
 
         def kill_all() -> None:
             for proc in procs:
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         flow = Flow(lambda: pair.url, producer, consuming)
         flow.start()
         injector.flow = flow
-        watch = threading.Thread(target=_watch_in_doubt, args=(pair.url, watching, tally),
+        watch = threading.Thread(target=watch_in_doubt, args=(pair.url, watching, tally),
                                  daemon=True)
         watch.start()
 
@@ -521,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                 node.restart()
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            left = _scalar(pair.url, "SELECT count(*) FROM outbox")
-            doubt = _scalar(pair.url, "SELECT count(*) FROM pg_prepared_xacts")
+            left = scalar(pair.url, "SELECT count(*) FROM outbox")
+            doubt = scalar(pair.url, "SELECT count(*) FROM pg_prepared_xacts")
             if left == 0 and doubt == 0:
                 break
             respawn_exited()

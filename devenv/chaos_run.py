@@ -1,25 +1,37 @@
-"""What both chaos runs share (devenv/chaos.py on single servers, devenv/chaos_cluster.py on a
-RabbitMQ cluster and a PostgreSQL primary/standby pair): the traffic, a steady producer and a
-hostile one, and the helpers that start the programs and watch the batches in doubt.
+"""What both chaos runs share: devenv/chaos.py (single servers) and devenv/chaos_cluster.py
+(a RabbitMQ cluster and a PostgreSQL primary/standby pair).
+
+The skeleton, ``Run.main``: the options, the servers (the run's own, ``Run.start``), relays and
+a resolver reaching them through proxies the faults can cut (``Programs``), a steady producer
+and a hostile one (``Producer``, ``HostileProducer``), what the run watches besides
+(``Run.watch``), the fault loop (an ``Injector`` of the run's kinds), the drain of the outbox
+and of the batches in doubt, the check (``Run.collect``) and the report: a figure a line, the
+JSON file, OK or FAILED, and the logs kept on failure. A run says only what differs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pika
 import pika.exceptions
 import psycopg
 from psycopg.types.json import Jsonb
 
-from devenv import launch
+from devenv import checker, launch
+from devenv.proxy import Proxy
+from outbox_relay.schema import migrate
 
 EXCHANGE = "chaos.events"
 QUEUE = "chaos.sink"
@@ -59,11 +71,6 @@ class Tally:
     producer_errors: int = 0
     hostile: list[str] = field(default_factory=list)  # message ids: expected in dead letter
     forged_records: int = 0  # forged records appended to the ledger stream directly
-
-    @property
-    def faults(self) -> int:
-        return (self.relay_kills + self.postgres_restarts + self.rabbitmq_restarts
-                + self.connection_cuts + self.black_holes)
 
 
 class Producer(threading.Thread):
@@ -199,11 +206,88 @@ class HostileProducer(threading.Thread):
             conn.close()
 
 
-def spawn(name: str, module: str, env: dict[str, str], logdir: Path) -> subprocess.Popen[bytes]:
-    return launch.launch(module, env, logdir / f"{name}.log", append=True)  # respawns append
+class Programs:
+    """The relays (``relay-0``...) and the resolver, last, each logging to ``<name>.log`` in
+    ``logdir`` (a respawned one appends to it)."""
+
+    def __init__(self, relays: int, env: dict[str, str], logdir: Path) -> None:
+        self.relays, self.env, self.logdir = relays, env, logdir
+        self.names = [*(f"relay-{i}" for i in range(relays)), "resolver"]
+        self.procs = [self._spawn(name) for name in self.names]
+
+    def _spawn(self, name: str) -> subprocess.Popen[bytes]:
+        return launch.launch(name.split("-")[0], self.env, self.logdir / f"{name}.log",
+                             append=True)
+
+    def kill_relay(self, i: int) -> None:
+        """SIGKILL relay ``i`` and start it again at once."""
+        self.procs[i].kill()
+        self.procs[i].wait()
+        self.procs[i] = self._spawn(self.names[i])
+
+    def respawn_exited(self, tally: Tally) -> None:
+        """Start again, and count, each program that exited without being killed."""
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                tally.unexpected_exits += 1
+                print(f"  {self.names[i]} exited by itself ({proc.returncode}); restarted",
+                      flush=True)
+                self.procs[i] = self._spawn(self.names[i])
+
+    def terminate(self) -> None:
+        """SIGTERM each program and wait for it (a graceful stop)."""
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(60)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class Injector:
+    """Applies one fault, by its kind's name (the method ``_<kind>``), and counts it: here the
+    kinds both runs have; a run's subclass adds its own."""
+
+    rng: random.Random
+    tally: Tally
+    programs: Programs
+    # The proxies the relays and the resolver reach the servers through, in two groups: a cut
+    # closes the connections through the first, the second or both.
+    cut_groups: tuple[list[Proxy], list[Proxy]]
+
+    def inject(self, fault: str) -> None:
+        getattr(self, f"_{fault}")()
+
+    def _relay(self) -> None:
+        self.programs.kill_relay(self.rng.randrange(self.programs.relays))
+        self.tally.relay_kills += 1
+
+    def _cut(self) -> None:
+        first, second = self.cut_groups
+        for proxy in self.rng.choice([first, second, first + second]):
+            proxy.cut()
+        self.tally.connection_cuts += 1
+
+    def partitionable(self) -> list[Proxy]:
+        """The proxies a black hole may fall on."""
+        first, second = self.cut_groups
+        return first + second
+
+    def _blackhole(self) -> None:
+        """A partition: nothing answers for a while, then the held connections are dropped."""
+        proxy = self.rng.choice(self.partitionable())
+        proxy.blackhole()
+        time.sleep(self.rng.uniform(1, 6))
+        proxy.heal()
+        self.tally.black_holes += 1
 
 
 def scalar(url: str, query: str) -> float:
+    """The one value ``query`` returns (0 for none), or -1 when PostgreSQL does not answer."""
     try:
         with psycopg.connect(url, autocommit=True, connect_timeout=2) as conn:
             row = conn.execute(query).fetchone()
@@ -218,3 +302,215 @@ def watch_in_doubt(url: str, watching: threading.Event, tally: Tally) -> None:
     while watching.is_set():
         tally.max_in_doubt_seconds = max(tally.max_in_doubt_seconds, scalar(url, query))
         time.sleep(0.25)
+
+
+def prepare(database_url: str, amqp_url: str, queues: dict[str, dict[str, Any]],
+            ledger: dict[str, Any]) -> None:
+    """The outbox schema; the exchange and each of ``queues`` (its arguments) bound to it for
+    every key; the ledger stream (``ledger``: arguments besides its type and age)."""
+    migrate(database_url, "outbox")
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    channel = conn.channel()
+    channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
+    for queue, arguments in queues.items():
+        channel.queue_declare(queue, durable=True, arguments=arguments)
+        channel.queue_bind(queue, EXCHANGE, routing_key="#")
+    channel.queue_declare(LEDGER, durable=True, arguments={
+        "x-queue-type": "stream", "x-max-age": "7D", **ledger})
+    conn.close()
+    time.sleep(1.5)  # RabbitMQ 3.10 loses a stream killed within ~1 s of its first declaration
+
+
+@dataclass
+class Verdict:
+    """What a run's check found."""
+
+    figures: dict[str, Any]  # the report: printed a line each, in this order, and the JSON
+    report: checker.Report
+    expected_dead: set[str]  # the hostile rows' message ids
+    # Further counts that must be 0 (unexpected_exits...), named on the FAILED line
+    zero: dict[str, int]
+
+
+class Run:
+    """One chaos run: the skeleton is ``run``; a subclass fills in the hooks and class
+    attributes below."""
+
+    title: ClassVar[str] = "chaos"  # "<title> for 60 s: 4 relays, ..."
+    prog: ClassVar[str] = "./dev chaos"
+    faults: ClassVar[dict[str, int]] = {}  # the kinds, each with its weight at random
+    cycle: ClassVar[tuple[str, ...]] = ()  # the kinds' order under --cycle (default: faults')
+    rate: ClassVar[float] = 500.0  # the options' defaults
+    fault_gap: ClassVar[tuple[float, float]] = (4.0, 12.0)
+    hostile_gap: ClassVar[float] = 1.0
+    settings: ClassVar[dict[str, str]] = {}  # the programs' settings besides the common ones
+    drain_seconds: ClassVar[float] = 180.0
+    row: ClassVar[str] = "  {name:<26}{value:>12}"  # a line of the report
+    kept_logs: ClassVar[str] = "outbox-chaos-logs"  # under the temporary folder, on failure
+
+    # Set by start(): the servers as the producers and the checks reach them (no proxy).
+    database_url: str
+    amqp_url: str
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.tally = Tally()
+        self.injected = 0  # faults so far
+        self.started = 0.0  # time.monotonic() when the faults began
+
+    @classmethod
+    def main(cls, argv: list[str] | None, description: str | None) -> int:
+        parser = argparse.ArgumentParser(prog=cls.prog, description=description)
+        parser.add_argument("--duration", type=float, default=60, help="seconds of chaos")
+        parser.add_argument("--rate", type=float, default=cls.rate,
+                            help="events per second offered")
+        parser.add_argument("--relays", type=int, default=4)
+        parser.add_argument("--batch-size", type=int, default=100)
+        parser.add_argument("--seed", type=int, default=None)
+        low, high = cls.fault_gap
+        parser.add_argument("--fault-gap", type=float, nargs=2, default=cls.fault_gap,
+                            metavar=("MIN", "MAX"),
+                            help=f"seconds between faults (default: {low:g} {high:g})")
+        parser.add_argument("--cycle", action="store_true",
+                            help="inject every kind of fault in turn instead of at random by weight")
+        cls.add_arguments(parser)
+        parser.add_argument("--json", type=Path, default=None,
+                            help="also write the figures here")
+        parser.add_argument("--hostile-gap", type=float, default=cls.hostile_gap,
+                            metavar="SECONDS", help="mean seconds between hostile rows"
+                            f" (0: none; default: {cls.hostile_gap:g})")
+        args = parser.parse_args(argv)
+        cls.check_arguments(parser, args)
+        return cls(args).run()
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The run's own options (after --cycle in --help)."""
+
+    @classmethod
+    def check_arguments(cls, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        """parser.error() on options that do not go together."""
+
+    def kinds(self) -> list[str]:
+        """The kinds of fault this run injects."""
+        return list(self.faults)
+
+    def start(self, stack: ExitStack) -> tuple[str, str]:
+        """Start the servers (their cleanup on ``stack``), ``prepare`` them, set
+        ``database_url`` and ``amqp_url``; put the proxies the faults cut between the servers
+        and the programs, and return the programs' database and AMQP URLs."""
+        raise NotImplementedError
+
+    def injector(self, programs: Programs) -> Injector:
+        raise NotImplementedError
+
+    def watch(self, producer: Producer) -> None:
+        """Start what the run watches besides (threads), once the traffic flows."""
+
+    def before_drain(self) -> None:
+        """Once the faults have stopped: bring back whatever the drain needs."""
+
+    def collect(self) -> Verdict:
+        """After the drain, with the programs stopped: what reached the consumers, checked."""
+        raise NotImplementedError
+
+    # -- the skeleton -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        args, rng, tally = self.args, self.rng, self.tally
+        with ExitStack() as stack:
+            logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-")))
+            database_url, amqp_url = self.start(stack)
+            env = launch.program_env(
+                database_url, amqp_url, OUTBOX_BATCH_SIZE=str(args.batch_size),
+                OUTBOX_CONFIRM_TIMEOUT="5", OUTBOX_RECONNECT_MAX_DELAY="2",
+                OUTBOX_MAX_MESSAGE_BYTES=str(MAX_MESSAGE_BYTES), OUTBOX_RESOLVER_INTERVAL="1",
+                **self.settings)
+            programs = Programs(args.relays, env, logdir)
+            injector = self.injector(programs)
+            stack.callback(programs.kill_all)
+
+            stop, watching = threading.Event(), threading.Event()
+            watching.set()
+            producer = Producer(self.database_url, args.rate, stop, tally)
+            producer.start()
+            hostile = HostileProducer(self.database_url, self.amqp_url, args.hostile_gap, stop,
+                                      tally, random.Random(rng.random()))
+            if args.hostile_gap > 0:
+                hostile.start()
+            self.watch(producer)
+            watch = threading.Thread(target=watch_in_doubt,
+                                     args=(self.database_url, watching, tally), daemon=True)
+            watch.start()
+
+            print(f"{self.title} for {args.duration:.0f} s: {args.relays} relays,"
+                  f" {args.rate:.0f} events/s, logs in {logdir}", flush=True)
+            self.faults_loop(injector, programs)
+
+            stop.set()
+            producer.join(30)
+            if hostile.is_alive():
+                hostile.join(30)
+            self.before_drain()
+            self.drain(programs)
+            watching.clear()
+            watch.join(10)
+            programs.terminate()
+            return self.report(self.collect(), logdir)
+
+    def faults_loop(self, injector: Injector, programs: Programs) -> None:
+        """For ``--duration`` seconds: a fault every ``--fault-gap`` seconds, at random by
+        weight or in turn; a program that exited by itself is counted and started again."""
+        args, rng = self.args, self.rng
+        kinds = self.kinds()
+        cycle = [kind for kind in (self.cycle or self.faults) if kind in kinds]
+        self.started = time.monotonic()
+        next_fault = self.started + rng.uniform(*args.fault_gap)
+        while time.monotonic() - self.started < args.duration:
+            programs.respawn_exited(self.tally)
+            if time.monotonic() >= next_fault:
+                if args.cycle:
+                    fault = cycle[self.injected % len(cycle)]
+                else:
+                    fault = rng.choices(kinds, weights=[self.faults[k] for k in kinds])[0]
+                self.injected += 1
+                injector.inject(fault)
+                print(f"  {time.monotonic() - self.started:6.1f} s  fault: {fault}", flush=True)
+                next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
+            time.sleep(0.5)
+
+    def drain(self, programs: Programs) -> None:
+        """Wait (``drain_seconds`` at most) until the outbox is empty and nothing is in doubt."""
+        deadline = time.monotonic() + self.drain_seconds
+        while time.monotonic() < deadline:
+            left = scalar(self.database_url, "SELECT count(*) FROM outbox")
+            doubt = scalar(self.database_url, "SELECT count(*) FROM pg_prepared_xacts")
+            if left == 0 and doubt == 0:
+                break
+            programs.respawn_exited(self.tally)
+            time.sleep(1)
+
+    def report(self, verdict: Verdict, logdir: Path) -> int:
+        """Print the figures (and write them to --json) and the verdict; on failure, keep the
+        programs' logs. The exit code."""
+        args = self.args
+        print()
+        for name, value in verdict.figures.items():
+            print(self.row.format(name=name, value=value))
+        if args.json:
+            args.json.write_text(json.dumps(verdict.figures, indent=2) + "\n")
+        # Duplicates come from crashes and failed batches: a batch per relay per fault at most.
+        ok = (verdict.report.ok(max_duplicates=args.batch_size * max(1, self.injected)
+                                * args.relays, dead_letter_expected=verdict.expected_dead)
+              and not any(verdict.zero.values()))
+        counts = "".join(f" {name}={count}" for name, count in verdict.zero.items())
+        print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
+              else f"\nFAILED: {verdict.report.summary()}{counts}")
+        if not ok:
+            kept = Path(tempfile.gettempdir()) / f"{self.kept_logs}-{int(time.time())}"
+            shutil.copytree(logdir, kept)
+            print(f"relay and resolver logs kept in {kept}")
+        return 0 if ok else 1

@@ -4,8 +4,8 @@ A 3-node RabbitMQ cluster (a quorum sink queue, the ledger stream replicated on 
 nodes) and a PostgreSQL primary with a synchronous streaming standby; 4 relays and a resolver
 given every node's URL (OUTBOX_AMQP_URL) and libpq's multi-host URL with
 target_session_attrs=read-write (OUTBOX_DATABASE_URL). While a producer inserts a steady stream
-of events and the hostile producer of devenv/chaos.py mixes in rows that must be dead-lettered,
-a loop injects, every few seconds, one of:
+of events and the hostile producer (devenv/chaos_run.py, as in devenv/chaos.py) mixes in rows
+that must be dead-lettered, a loop injects, every few seconds, one of:
 
 - ``relay``: SIGKILL of a relay (restarted at once);
 - ``connected_node``: SIGKILL of the RabbitMQ node a relay is connected to (restarted later);
@@ -38,49 +38,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pika
 import pika.exceptions
 import psycopg
 
 from devenv import checker
-from devenv.chaos import (
-    EXCHANGE,
+from devenv.chaos_run import (
     LEDGER,
-    MAX_MESSAGE_BYTES,
     QUEUE,
-    HostileProducer,
+    Injector,
     Producer,
-    Tally,
-    _scalar,
-    _spawn,
-    _watch_in_doubt,
+    Programs,
+    Run,
+    Verdict,
+    prepare,
 )
 from devenv.proxy import LOOPBACK, Proxy
-from devenv.servers import PostgresPair, RabbitCluster, RabbitServer
-from outbox_relay.schema import migrate
+from devenv.servers import PostgresPair, RabbitCluster, RabbitServer, start_together
 
 AUDIT = "chaos.audit"  # a copy of every event, read after the run: the broker's order
-
-# Faults and their weights: node kills the most, the slow ones (promotion, no majority) less.
-FAULTS = {"relay": 3, "connected_node": 2, "ledger_leader": 2, "sink_leader": 2,
-          "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1, "cut": 2,
-          "blackhole": 1}
 
 
 @dataclass
@@ -258,29 +245,25 @@ def recovery_seconds(times: list[float], at: float, until: float) -> float:
 
 
 @dataclass
-class Injector:
-    rng: random.Random
-    tally: Tally
+class ClusterInjector(Injector):
+    """The cluster's faults, besides the relay kills, cuts and black holes."""
+
     figures: Figures
     cluster: RabbitCluster
     pair: PostgresPair
-    spawn_relay: Callable[[int], Any]
-    procs: list[Any]
-    relay_count: int
+    # One proxy per PostgreSQL port (the pair keeps its two ports), for a black hole on the
+    # primary.
+    pg_proxies: dict[int, Proxy]
     # Nodes being restarted in the background: a RabbitMQ node takes 10-20 s to boot here, and
     # the relay and PostgreSQL faults need not wait for it (the next RabbitMQ fault does).
     restarts: list[threading.Thread] = field(default_factory=list)
     flow: Flow | None = None  # the relays' commits, for the no-majority check
-    # The relays' and the resolver's way to each server: one proxy per RabbitMQ node (in the
-    # cluster's order) and one per PostgreSQL port (the pair keeps its two ports).
-    mq_proxies: list[Proxy] = field(default_factory=list)
-    pg_proxies: dict[int, Proxy] = field(default_factory=dict)
 
     def inject(self, fault: str) -> None:
         if fault not in ("relay", "promote", "postgres", "cut", "blackhole"):
             self.wait_restarts()
         self.figures.injected.append((fault, time.monotonic()))
-        getattr(self, f"_{fault}")()
+        super().inject(fault)
         self.figures.faults[fault] = self.figures.faults.get(fault, 0) + 1
 
     def wait_restarts(self) -> None:
@@ -306,13 +289,6 @@ class Injector:
         node.kill()
         self.tally.rabbitmq_restarts += 1
         self._restart_later([node], 1, 4)
-
-    def _relay(self) -> None:
-        i = self.rng.randrange(self.relay_count)
-        self.procs[i].kill()
-        self.procs[i].wait()
-        self.procs[i] = self.spawn_relay(i)
-        self.tally.relay_kills += 1
 
     def _connected_node(self) -> None:
         self._kill_node(self.cluster.connected_node("outbox-relay"))
@@ -358,180 +334,117 @@ class Injector:
         self.pair.primary.restart()
         self.tally.postgres_restarts += 1
 
-    def _cut(self) -> None:
-        pg = list(self.pg_proxies.values())
-        for proxy in self.rng.choice([self.mq_proxies, pg, self.mq_proxies + pg]):
-            proxy.cut()
-        self.tally.connection_cuts += 1
-
-    def _blackhole(self) -> None:
+    def partitionable(self) -> list[Proxy]:
         """A partition of one server: a RabbitMQ node (its peers and the other relays carry
         on) or the PostgreSQL primary (every relay waits)."""
-        proxy = self.rng.choice([*self.mq_proxies, self.pg_proxies[self.pair.primary.port]])
-        proxy.blackhole()
-        time.sleep(self.rng.uniform(1, 6))
-        proxy.heal()
-        self.tally.black_holes += 1
+        mq_proxies, _pg = self.cut_groups
+        return [*mq_proxies, self.pg_proxies[self.pair.primary.port]]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="./dev chaos --cluster", description=__doc__)
-    parser.add_argument("--duration", type=float, default=60, help="seconds of chaos")
-    parser.add_argument("--rate", type=float, default=300, help="events per second offered")
-    parser.add_argument("--relays", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--fault-gap", type=float, nargs=2, default=(5.0, 12.0),
-                        metavar=("MIN", "MAX"), help="seconds between faults (default: 5 12)")
-    parser.add_argument("--cycle", action="store_true",
-                        help="inject every kind of fault in turn instead of at random by weight")
-    parser.add_argument("--kinds", type=lambda text: text.split(","), default=None,
-                        metavar="KIND,KIND", help="inject only these kinds of fault "
-                        f"(default: all of {', '.join(FAULTS)})")
-    parser.add_argument("--single-active-consumer", action="store_true",
-                        help="declare the sink with single active consumer (default: a plain "
-                        "queue, the consumer reconnecting to any node)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--hostile-gap", type=float, default=2.0, metavar="SECONDS",
-                        help="mean seconds between hostile rows (0: none; default: 2)")
-    args = parser.parse_args(argv)
-    kinds = args.kinds or list(FAULTS)
-    if not set(kinds) <= set(FAULTS):
-        parser.error(f"--kinds: unknown kind(s) {', '.join(sorted(set(kinds) - set(FAULTS)))}")
-    rng = random.Random(args.seed)
-    tally, figures = Tally(), Figures()
+class ClusterRun(Run):
+    """3 RabbitMQ nodes and a PostgreSQL primary with a synchronous standby; the sink a quorum
+    queue read all along by a consumer, the audit queue read after the run."""
 
-    with ExitStack() as stack:
-        started_servers = time.monotonic()
-        pair = PostgresPair(sync=True, max_prepared_transactions=32)
-        stack.callback(pair.cleanup)
-        cluster = RabbitCluster(3)
-        stack.callback(cluster.cleanup)
-        boot = threading.Thread(target=pair.start)
-        boot.start()
-        cluster.start()
-        boot.join()
-        pair.wait_streaming()
-        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-")))
+    title = "cluster chaos"
+    prog = "./dev chaos --cluster"
+    # Node kills the most, the slow ones (promotion, no majority) less.
+    faults: ClassVar[dict[str, int]] = {
+        "relay": 3, "connected_node": 2, "ledger_leader": 2, "sink_leader": 2,
+        "node_restart": 1, "no_majority": 1, "promote": 1, "postgres": 1, "cut": 2,
+        "blackhole": 1}
+    # In turn: the slow checks first, and RabbitMQ faults (which wait for the last node's
+    # restart) between the others, so a short run covers the most kinds.
+    cycle = ("no_majority", "relay", "promote", "cut", "connected_node", "blackhole",
+             "postgres", "ledger_leader", "sink_leader", "node_restart")
+    rate = 300.0
+    fault_gap = (5.0, 12.0)
+    hostile_gap = 2.0
+    settings: ClassVar[dict[str, str]] = {"OUTBOX_CONNECT_TIMEOUT": "3"}
+    drain_seconds = 240.0
+    row = "  {name:<47}{value}"
+    kept_logs = "outbox-chaos-cluster-logs"
 
-        migrate(pair.url, "outbox")
-        conn = pika.BlockingConnection(pika.URLParameters(cluster.urls[0]))
-        channel = conn.channel()
-        channel.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
-        # A plain consumer that reconnects can break per-key order itself (docs/reliability.md:
-        # messages it held come back after newer ones); --single-active-consumer is the README's
-        # advice, but short runs with it still counted violations (not explained yet).
-        channel.queue_declare(QUEUE, durable=True, arguments={
-            "x-queue-type": "quorum", "x-single-active-consumer": args.single_active_consumer})
-        channel.queue_bind(QUEUE, EXCHANGE, routing_key="#")
-        # Nobody consumes the audit queue during the run, so no fault can touch its deliveries:
-        # read on a calm cluster at the end, it has the events in the order they reached the
-        # broker (a relay's confirm waits for both queues).
-        channel.queue_declare(AUDIT, durable=True, arguments={"x-queue-type": "quorum"})
-        channel.queue_bind(AUDIT, EXCHANGE, routing_key="#")
-        channel.queue_declare(LEDGER, durable=True, arguments={
-            "x-queue-type": "stream", "x-max-age": "7D", "x-initial-cluster-size": 3})
-        conn.close()
-        time.sleep(1.5)  # RabbitMQ 3.10 loses a stream killed within ~1 s of its declaration
-        print(f"servers up in {time.monotonic() - started_servers:.0f} s", flush=True)
+    pair: PostgresPair
+    cluster: RabbitCluster
+    faulter: ClusterInjector
+    consumer: Consumer
+    flow: Flow
 
-        mq_proxies = [stack.enter_context(Proxy.to(url)) for url in cluster.urls]
-        pg_proxies = {server.port: stack.enter_context(Proxy(LOOPBACK, server.port))
-                      for server in (pair.primary, pair.standby)}
-        hosts = ",".join(f"{LOOPBACK}:{proxy.port}" for proxy in pg_proxies.values())
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env.update({"OUTBOX_DATABASE_URL": pair.url_via(hosts),
-                    "OUTBOX_AMQP_URL": ",".join(proxy.url(url) for proxy, url
-                                                in zip(mq_proxies, cluster.urls, strict=True)),
-                    "OUTBOX_BATCH_SIZE": str(args.batch_size), "OUTBOX_METRICS_PORT": "0",
-                    "OUTBOX_CONFIRM_TIMEOUT": "5", "OUTBOX_RECONNECT_MAX_DELAY": "2",
-                    "OUTBOX_CONNECT_TIMEOUT": "3",
-                    "OUTBOX_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-                    "OUTBOX_RESOLVER_INTERVAL": "1", "PYTHONPATH": str(Path.cwd())})
-        names = [*(f"relay-{i}" for i in range(args.relays)), "resolver"]
-        procs = [_spawn(name, name.split("-")[0], env, logdir) for name in names]
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.figures = Figures()
+        self.consuming = threading.Event()  # set: the consumer and the flow sampling stop
 
-        injector = Injector(rng, tally, figures, cluster, pair,
-                            lambda i: _spawn(f"relay-{i}", "relay", env, logdir), procs,
-                            args.relays, mq_proxies=mq_proxies, pg_proxies=pg_proxies)
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--kinds", type=lambda text: text.split(","), default=None,
+                            metavar="KIND,KIND", help="inject only these kinds of fault "
+                            f"(default: all of {', '.join(cls.faults)})")
+        parser.add_argument("--single-active-consumer", action="store_true",
+                            help="declare the sink with single active consumer (default: a "
+                            "plain queue, the consumer reconnecting to any node)")
 
-        def respawn_exited() -> None:
-            for i, proc in enumerate(procs):
-                if proc.poll() is not None:
-                    tally.unexpected_exits += 1
-                    print(f"  {names[i]} exited by itself ({proc.returncode}); restarted",
-                          flush=True)
-                    procs[i] = _spawn(names[i], names[i].split("-")[0], env, logdir)
+    @classmethod
+    def check_arguments(cls, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        unknown = set(args.kinds or ()) - set(cls.faults)
+        if unknown:
+            parser.error(f"--kinds: unknown kind(s) {', '.join(sorted(unknown))}")
 
-        def kill_all() -> None:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+    def kinds(self) -> list[str]:
+        return list(self.args.kinds or self.faults)
 
-        stack.callback(kill_all)
-        stop, watching, consuming = threading.Event(), threading.Event(), threading.Event()
-        watching.set()
-        producer = Producer(pair.url, args.rate, stop, tally)
-        producer.start()
-        hostile = HostileProducer(pair.url, cluster.urls[0], args.hostile_gap, stop, tally,
-                                  random.Random(rng.random()))
-        hostile.amqp_url = cluster.url.split(",")[0]
-        if args.hostile_gap > 0:
-            hostile.start()
-        consumer = Consumer(cluster, consuming)
-        consumer.start()
-        flow = Flow(lambda: pair.url, producer, consuming)
-        flow.start()
-        injector.flow = flow
-        watch = threading.Thread(target=_watch_in_doubt, args=(pair.url, watching, tally),
-                                 daemon=True)
-        watch.start()
-
-        print(f"cluster chaos for {args.duration:.0f} s: {args.relays} relays, "
-              f"{args.rate:.0f} events/s, logs in {logdir}", flush=True)
+    def start(self, stack: ExitStack) -> tuple[str, str]:
         started = time.monotonic()
-        next_fault = started + rng.uniform(*args.fault_gap)
-        # In turn: the slow checks first, and RabbitMQ faults (which wait for the last node's
-        # restart) between the others, so a short run covers the most kinds.
-        cycle = [kind for kind in ("no_majority", "relay", "promote", "cut", "connected_node",
-                                   "blackhole", "postgres", "ledger_leader", "sink_leader",
-                                   "node_restart") if kind in kinds]
-        count = 0
-        while time.monotonic() - started < args.duration:
-            respawn_exited()
-            if time.monotonic() >= next_fault:
-                if args.cycle:
-                    fault = cycle[count % len(cycle)]
-                else:
-                    fault = rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
-                count += 1
-                injector.inject(fault)
-                print(f"  {time.monotonic() - started:6.1f} s  fault: {fault}", flush=True)
-                next_fault = time.monotonic() + rng.uniform(*args.fault_gap)
-            time.sleep(0.5)
+        self.pair = PostgresPair(sync=True, max_prepared_transactions=32)
+        stack.callback(self.pair.cleanup)
+        self.cluster = RabbitCluster(3)
+        stack.callback(self.cluster.cleanup)
+        start_together(self.pair.start, self.cluster.start)
+        self.database_url, self.amqp_url = self.pair.url, self.cluster.urls[0]
+        prepare(self.pair.url, self.cluster.urls[0], {
+            # A plain consumer that reconnects can break per-key order itself
+            # (docs/reliability.md: messages it held come back after newer ones);
+            # --single-active-consumer is the README's advice, but short runs with it still
+            # counted violations (not explained yet).
+            QUEUE: {"x-queue-type": "quorum",
+                    "x-single-active-consumer": self.args.single_active_consumer},
+            # Nobody consumes the audit queue during the run, so no fault can touch its
+            # deliveries: read on a calm cluster at the end, it has the events in the order
+            # they reached the broker (a relay's confirm waits for both queues).
+            AUDIT: {"x-queue-type": "quorum"},
+        }, {"x-initial-cluster-size": 3})
+        print(f"servers up in {time.monotonic() - started:.0f} s", flush=True)
 
-        stop.set()
-        producer.join(30)
-        if hostile.is_alive():
-            hostile.join(30)
-        injector.wait_restarts()  # every node back for the drain
-        for node in cluster.nodes:
+        # The relays and the resolver reach each RabbitMQ node and each PostgreSQL host
+        # through a proxy of its own.
+        self.mq_proxies = [stack.enter_context(Proxy.to(url)) for url in self.cluster.urls]
+        self.pg_proxies = {server.port: stack.enter_context(Proxy(LOOPBACK, server.port))
+                           for server in (self.pair.primary, self.pair.standby)}
+        hosts = ",".join(f"{LOOPBACK}:{proxy.port}" for proxy in self.pg_proxies.values())
+        return self.pair.url_via(hosts), ",".join(
+            proxy.url(url) for proxy, url in zip(self.mq_proxies, self.cluster.urls, strict=True))
+
+    def injector(self, programs: Programs) -> Injector:
+        self.faulter = ClusterInjector(
+            self.rng, self.tally, programs, (self.mq_proxies, list(self.pg_proxies.values())),
+            self.figures, self.cluster, self.pair, self.pg_proxies)
+        return self.faulter
+
+    def watch(self, producer: Producer) -> None:
+        self.consumer = Consumer(self.cluster, self.consuming)
+        self.consumer.start()
+        self.flow = Flow(lambda: self.pair.url, producer, self.consuming)
+        self.flow.start()
+        self.faulter.flow = self.flow
+
+    def before_drain(self) -> None:
+        self.faulter.wait_restarts()  # every node back for the drain
+        for node in self.cluster.nodes:
             if not node.running:
                 node.restart()
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            left = _scalar(pair.url, "SELECT count(*) FROM outbox")
-            doubt = _scalar(pair.url, "SELECT count(*) FROM pg_prepared_xacts")
-            if left == 0 and doubt == 0:
-                break
-            respawn_exited()
-            time.sleep(1)
-        watching.clear()
-        watch.join(10)
-        for proc in procs:
-            proc.terminate()
-            proc.wait(60)
+
+    def collect(self) -> Verdict:
+        args, tally, figures, consumer = self.args, self.tally, self.figures, self.consumer
         expected = set(tally.produced)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not expected <= {
@@ -539,19 +452,20 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         while time.monotonic() - consumer.idle_since < 3:
             time.sleep(0.5)
-        consuming.set()
+        self.consuming.set()
         consumer.join(10)
-        with psycopg.connect(pair.url, autocommit=True) as db:
+        with psycopg.connect(self.pair.url, autocommit=True) as db:
             report = checker.check(tally.produced, consumer.deliveries, conn=db, table="outbox")
-        audit = checker.drain(cluster.url, AUDIT, expected=expected, total_timeout=300)
+        audit = checker.drain(self.cluster.url, AUDIT, expected=expected, total_timeout=300)
         audit_missing = len(expected - {d.message_id for d in audit})
         # Per-key order is judged where the relays' guarantee holds: at the broker.
         report = dataclasses.replace(report, order_violations=dict(
             Counter(key for _i, key in checker.late_first_copies(audit))))
         expected_dead = set(tally.hostile)
         missing_dead = report.dead_letter_missing(expected_dead)
+        started = self.started
         ends = [at for _kind, at in figures.injected[1:]] + [started + args.duration]
-        recoveries = [recovery_seconds(flow.times, at, min(end, at + 60))
+        recoveries = [recovery_seconds(self.flow.times, at, min(end, at + 60))
                       for (_kind, at), end in zip(figures.injected, ends, strict=True)]
         late = checker.late_first_copies(consumer.deliveries)
         details = order_violation_details(consumer.received, late, started, figures.injected)
@@ -586,24 +500,13 @@ def main(argv: list[str] | None = None) -> int:
             "recovery_by_kind": {k: {"p50": round(statistics.median(v), 3), "max": max(v)}
                                  for k, v in sorted(by_kind.items())},
         }
-        print()
-        for name, value in result.items():
-            print(f"  {name:<47}{value}")
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-        ok = (report.ok(max_duplicates=args.batch_size * max(1, len(recoveries)) * args.relays,
-                        dead_letter_expected=expected_dead)
-              and audit_missing == 0
-              and tally.unexpected_exits == 0 and figures.committed_without_majority == 0)
-        print("\nOK: nothing lost, nothing unexpected, nothing left over" if ok
-              else f"\nFAILED: {report.summary()} audit_missing={audit_missing}"
-                   f" unexpected_exits={tally.unexpected_exits}"
-                   f" committed_without_majority={figures.committed_without_majority}")
-        if not ok:
-            kept = Path(tempfile.gettempdir()) / f"outbox-chaos-cluster-logs-{int(time.time())}"
-            shutil.copytree(logdir, kept)
-            print(f"relay and resolver logs kept in {kept}")
-        return 0 if ok else 1
+        return Verdict(result, report, expected_dead, {
+            "audit_missing": audit_missing, "unexpected_exits": tally.unexpected_exits,
+            "committed_without_majority": figures.committed_without_majority})
+
+
+def main(argv: list[str] | None = None) -> int:
+    return ClusterRun.main(argv, __doc__)
 
 
 if __name__ == "__main__":

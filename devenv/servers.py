@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import glob
 import os
 import pwd
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -181,16 +183,138 @@ def _wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0
         time.sleep(interval)
 
 
+def _gone(pids: list[int], timeout: float, group: int | None = None) -> bool:
+    """Wait until none of ``pids`` (and no member of process group ``group``) is alive; False
+    if some still is after ``timeout`` seconds."""
+    return _wait_for(lambda: not any(_alive(pid) for pid in pids)
+                     and not (group is not None and _group_members(group)), timeout)
+
+
 def _signal(pid: int, sig: signal.Signals) -> None:
     """Send a signal, ignoring a process that is already gone."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 
 
+def start_together(*starts: Callable[[], None]) -> None:
+    """Run each ``start`` in a thread of its own (servers that boot slowly, or that wait for
+    their peers); once all have ended, raise the first error any of them raised."""
+    errors: list[BaseException] = []
+
+    def run(start: Callable[[], None]) -> None:
+        try:
+            start()
+        except BaseException as exc:  # reported below, from the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(start,)) for start in starts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+_T = TypeVar("_T", bound="_Throwaway")
+
+
+class _Throwaway:
+    """What start() brings up and cleanup() removes: a context manager that starts it, cleans
+    it up when it is left, and cleans up after a start that failed as well."""
+
+    def start(self, timeout: float = 60.0) -> None:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _T) -> _T:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class _Server(_Throwaway):
+    """One server on a port of its own, its files in a temporary directory made at its first
+    start and removed by cleanup()."""
+
+    _kind = "server"  # how messages name it: "PostgreSQL server", "RabbitMQ node"
+    _prefix = "outbox-"  # of its temporary directory's name
+
+    def __init__(self, port: int | None, base_dir: Path | None) -> None:
+        self.port: int = port if port is not None else free_port()
+        self.base_dir = base_dir
+        #: The temporary directory; None before the first start and after cleanup.
+        self.directory: Path | None = None
+        self._owner_pid = os.getpid()
+
+    @property
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def _dir(self) -> Path:
+        if self.directory is None:
+            raise ServerError(f"{self._kind} has no directory (not started or cleaned up)")
+        return self.directory
+
+    def _make_dir(self) -> None:
+        """Make the temporary directory (at the first start) and register for the atexit
+        cleanup."""
+        if self.directory is None:
+            parent = self.base_dir if self.base_dir is not None else Path(tempfile.gettempdir())
+            parent.mkdir(parents=True, exist_ok=True)
+            self.directory = Path(tempfile.mkdtemp(prefix=self._prefix, dir=parent))
+            _LIVE.add(self)
+
+    def _check_port(self) -> None:
+        if not _port_is_free(self.port):
+            name = self._kind.split()[0]
+            raise _error(f"{name} port {_LOOPBACK}:{self.port} is already in use", [])
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start again on the same port and data directory (stopping it first if running)."""
+        if self.running:
+            self.stop()
+        else:
+            self.kill()  # whatever is left of a server that died on its own
+        self.start(timeout)
+
+    def _halt(self) -> None:
+        """Bring every process of the server down, whatever state it is in (for cleanup)."""
+        self.kill()
+
+    def cleanup(self) -> None:
+        """Take the server down if running and remove its files."""
+        if self.directory is None:
+            return
+        self._halt()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+        _LIVE.discard(self)
+
+
 # Servers still running when the interpreter exits are cleaned up, so an aborted test run does
 # not leave a postmaster or a beam.smp behind. Strong references on purpose: an instance the
 # caller forgot must still be reachable here.
-_LIVE: set[PostgresServer | RabbitServer] = set()
+_LIVE: set[_Server] = set()
 
 
 @atexit.register
@@ -200,12 +324,6 @@ def _cleanup_at_exit() -> None:
         if server._owner_pid == os.getpid():
             with contextlib.suppress(Exception):
                 server.cleanup()
-
-
-def _make_dir(prefix: str, base_dir: Path | None) -> Path:
-    parent = base_dir if base_dir is not None else Path(tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,12 +359,15 @@ def _pg_quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-class PostgresServer:
+class PostgresServer(_Server):
     """A PostgreSQL server in a temporary directory, trust auth, database "outbox".
 
     As root the server runs as the ``postgres`` OS user (initdb and postgres refuse root); the
     temporary directory is then chowned to it, so ``base_dir`` must be traversable by it.
     """
+
+    _kind = "PostgreSQL server"
+    _prefix = "outbox-pg-"
 
     def __init__(
         self,
@@ -260,17 +381,13 @@ class PostgresServer:
         """Describe the server; nothing is created or started until start(). ``wrapper``: a
         command the server runs under, its program and arguments (valgrind, say); ``{dir}`` in
         them is the server's directory."""
-        self.port: int = port if port is not None else free_port()
+        super().__init__(port, base_dir)
         self.url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/outbox"
         self.admin_url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/postgres"
         self.max_prepared_transactions = max_prepared_transactions
         self.extra_conf = dict(extra_conf or {})
-        self.base_dir = base_dir
         self.wrapper = list(wrapper or [])
-        #: The temporary directory (data/, sock/, postgres.log); None before start/after cleanup.
-        self.directory: Path | None = None
         self._bindir = _pg_bindir()
-        self._owner_pid = os.getpid()
         self._database_created = False
         self._as_user: tuple[int, int] | None = None
         if os.geteuid() == 0:
@@ -282,12 +399,7 @@ class PostgresServer:
                 ) from None
             self._as_user = (pw.pw_uid, pw.pw_gid)
 
-    # -- paths ------------------------------------------------------------------------------
-
-    def _dir(self) -> Path:
-        if self.directory is None:
-            raise ServerError("PostgreSQL server has no directory (not started or cleaned up)")
-        return self.directory
+    # -- paths (in ``directory``: data/, sock/, postgres.log) --------------------------------
 
     @property
     def data_dir(self) -> Path:
@@ -368,12 +480,36 @@ class PostgresServer:
         pid = self._postmaster_pid()
         return [] if pid is None else [pid, *_descendants(pid)]
 
-    def _initdb(self) -> None:
-        directory = self._dir()
+    def _make_socket_dir(self) -> None:
+        """The socket directory; as root, it and the server's directory go to the server's user."""
         self.socket_dir.mkdir(exist_ok=True)
         if self._as_user is not None:
-            for path in (directory, self.socket_dir):
+            for path in (self._dir(), self.socket_dir):
                 os.chown(path, *self._as_user)
+
+    def _append_conf(self, title: str, conf: dict[str, str]) -> None:
+        """Append settings to postgresql.conf under a comment line naming ``title``."""
+        lines = ["", f"# --- {title} ---"]
+        lines += [f"{key} = {_pg_quote(value)}" for key, value in conf.items()]
+        with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    def _pg_ctl(self, what: str, *args: str, timeout: float) -> None:
+        """``pg_ctl <args> -D <data> -w -t <timeout> -s``, waiting for it ``timeout`` + 15 s."""
+        self._run(what, [str(self._bindir / "pg_ctl"), *args, "-D", str(self.data_dir),
+                         "-w", "-t", str(int(timeout)), "-s"], timeout=timeout + 15)
+
+    def _admin_row(self, query: str) -> tuple[Any, ...] | None:
+        """The first row of ``query`` in the ``postgres`` database; None when the server does
+        not answer (or the query returns no row)."""
+        try:
+            with psycopg.connect(self.admin_url, connect_timeout=2, autocommit=True) as conn:
+                return conn.execute(query).fetchone()
+        except psycopg.OperationalError:
+            return None
+
+    def _initdb(self) -> None:
+        self._make_socket_dir()
         self._run(
             "initdb",
             [
@@ -400,10 +536,7 @@ class PostgresServer:
             "fsync": "off",
             **self.extra_conf,
         }
-        lines = ["", "# --- devenv.servers ---"]
-        lines += [f"{key} = {_pg_quote(value)}" for key, value in conf.items()]
-        with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
+        self._append_conf("devenv.servers", conf)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -431,31 +564,13 @@ class PostgresServer:
         """Start the server (initdb first if needed), wait until it accepts connections."""
         if self.running:
             return
-        if self.directory is None:
-            self.directory = _make_dir("outbox-pg-", self.base_dir)
-            _LIVE.add(self)
+        self._make_dir()
         if not (self.data_dir / "PG_VERSION").exists():  # also retries a failed initdb
             self._initdb()
         self._remove_stale_locks()  # left by a crash we did not cause, see there
-        if not _port_is_free(self.port):
-            raise _error(f"PostgreSQL port {_LOOPBACK}:{self.port} is already in use", [])
-        self._run(
-            "start",
-            [
-                str(self._bindir / "pg_ctl"),
-                "start",
-                "-D",
-                str(self.data_dir),
-                "-l",
-                str(self.log_path),
-                "-w",
-                "-t",
-                str(int(timeout)),
-                "-s",
-                *self._wrapped(),
-            ],
-            timeout=timeout + 15,
-        )
+        self._check_port()
+        self._pg_ctl("start", "start", "-l", str(self.log_path), *self._wrapped(),
+                     timeout=timeout)
         self._wait_ready(timeout)
         if not self._database_created:
             self._create_database()
@@ -478,22 +593,7 @@ class PostgresServer:
             raise ValueError(f"unknown pg_ctl stop mode {mode!r}")
         if not self.running:
             return
-        self._run(
-            f"stop -m {mode}",
-            [
-                str(self._bindir / "pg_ctl"),
-                "stop",
-                "-D",
-                str(self.data_dir),
-                "-m",
-                mode,
-                "-w",
-                "-t",
-                "60",
-                "-s",
-            ],
-            timeout=75,
-        )
+        self._pg_ctl(f"stop -m {mode}", "stop", "-m", mode, timeout=60)
 
     def kill(self) -> None:
         """SIGKILL the postmaster and its children (a crash) and wait until they are gone."""
@@ -507,7 +607,7 @@ class PostgresServer:
         victims = [pid, *_descendants(pid)]
         for victim in victims:
             _signal(victim, signal.SIGKILL)
-        if not _wait_for(lambda: not any(_alive(v) for v in victims), timeout=15):
+        if not _gone(victims, timeout=15):
             left = [v for v in victims if _alive(v)]
             raise _error(f"PostgreSQL processes {left} survived SIGKILL", [self.log_path])
         self._remove_stale_locks()
@@ -528,41 +628,15 @@ class PostgresServer:
                 with contextlib.suppress(FileNotFoundError):
                     lock.unlink()
 
-    def restart(self, timeout: float = 60.0) -> None:
-        """Start again on the same port and data directory (stopping it first if running)."""
-        if self.running:
-            self.stop("fast")
-        self.start(timeout)
-
-    def cleanup(self) -> None:
-        """Stop the server if running (immediate, falling back to kill) and remove its files."""
-        if self.directory is None:
-            return
+    def _halt(self) -> None:
+        """For cleanup(): an immediate stop, falling back to kill; the database is made again
+        at the next start."""
         try:
             self.stop("immediate")
         except ServerError:
             self.kill()
         self.kill()  # no-op unless something survived the stop
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory = None
         self._database_created = False
-        _LIVE.discard(self)
-
-    def __enter__(self) -> PostgresServer:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
 
 class PostgresStandby(PostgresServer):
@@ -578,41 +652,25 @@ class PostgresStandby(PostgresServer):
         self._database_created = True  # copied from the primary; a standby is read-only
 
     def _initdb(self) -> None:
-        directory = self._dir()
-        self.socket_dir.mkdir(exist_ok=True)
-        if self._as_user is not None:
-            for path in (directory, self.socket_dir):
-                os.chown(path, *self._as_user)
+        self._make_socket_dir()
         conninfo = (f"host={_LOOPBACK} port={self.primary.port} user=postgres "
                     f"application_name={self.application_name}")
         self._run("pg_basebackup", [str(self._bindir / "pg_basebackup"), "-D",
                                     str(self.data_dir), "-d", conninfo, "-R", "-X", "stream",
                                     "--no-sync", "-c", "fast"], timeout=180)
-        conf = {"port": str(self.port), "unix_socket_directories": str(self.socket_dir),
-                "listen_addresses": _LOOPBACK, "hot_standby": "on"}
-        lines = ["", "# --- devenv.servers standby ---"]
-        lines += [f"{key} = {_pg_quote(value)}" for key, value in conf.items()]
-        with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
+        self._append_conf("devenv.servers standby", {
+            "port": str(self.port), "unix_socket_directories": str(self.socket_dir),
+            "listen_addresses": _LOOPBACK, "hot_standby": "on"})
 
     def promote(self, timeout: float = 60.0) -> None:
         """pg_ctl promote, and wait until it accepts writes."""
-        self._run("promote", [str(self._bindir / "pg_ctl"), "promote", "-D", str(self.data_dir),
-                              "-w", "-t", str(int(timeout)), "-s"], timeout=timeout + 15)
-
-        def writable() -> bool:
-            try:
-                with psycopg.connect(self.admin_url, connect_timeout=2, autocommit=True) as c:
-                    row = c.execute("SELECT pg_is_in_recovery()").fetchone()
-                    return row is not None and not row[0]
-            except psycopg.OperationalError:
-                return False
-
-        if not _wait_for(writable, timeout, 0.1):
+        self._pg_ctl("promote", "promote", timeout=timeout)
+        if not _wait_for(lambda: self._admin_row("SELECT NOT pg_is_in_recovery()") == (True,),
+                         timeout, 0.1):
             raise _error("promoted standby still in recovery", [self.log_path])
 
 
-class PostgresPair:
+class PostgresPair(_Throwaway):
     """A primary and a streaming standby (synchronous or asynchronous) that can be promoted.
 
     ``url`` is libpq's multi-host form with ``target_session_attrs=read-write``: a client
@@ -656,17 +714,8 @@ class PostgresPair:
             conn.execute("SELECT pg_reload_conf()")
 
     def wait_streaming(self, timeout: float = 60.0) -> None:
-        def streaming() -> bool:
-            try:
-                with psycopg.connect(self.primary.admin_url, connect_timeout=2,
-                                     autocommit=True) as c:
-                    row = c.execute("SELECT count(*) FROM pg_stat_replication"
-                                    " WHERE state = 'streaming'").fetchone()
-                    return row is not None and row[0] > 0
-            except psycopg.OperationalError:
-                return False
-
-        if not _wait_for(streaming, timeout, 0.1):
+        query = "SELECT count(*) > 0 FROM pg_stat_replication WHERE state = 'streaming'"
+        if not _wait_for(lambda: self.primary._admin_row(query) == (True,), timeout, 0.1):
             raise _error("standby not streaming", [self.primary.log_path, self.standby.log_path])
 
     def failover(self) -> None:
@@ -692,18 +741,6 @@ class PostgresPair:
         self.standby.cleanup()
         self.primary.cleanup()
 
-    def __enter__(self) -> PostgresPair:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.cleanup()
-
 
 # --------------------------------------------------------------------------------------------
 # RabbitMQ
@@ -714,11 +751,14 @@ _RABBIT_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 _RABBIT_CTL = _RABBIT_SERVER.with_name("rabbitmqctl")
 
 
-class RabbitServer:
+class RabbitServer(_Server):
     """A RabbitMQ node of its own (name, ports, data, cookie) in a temporary directory.
 
     The system node (rabbit@localhost) is left alone; only epmd is shared, and never killed.
     """
+
+    _kind = "RabbitMQ node"
+    _prefix = "outbox-rmq-"
 
     def __init__(
         self,
@@ -730,25 +770,18 @@ class RabbitServer:
     ) -> None:
         """Describe the node; nothing is created or started until start(). ``cookie``: the
         Erlang cookie, shared by the nodes of a cluster (RabbitCluster); else the node's own."""
-        self.port: int = port if port is not None else free_port()
+        super().__init__(port, base_dir)
         self.cookie = cookie
         self.url: str = f"amqp://guest:guest@{_LOOPBACK}:{self.port}/%2F"
         # Mnesia data belongs to a node name, so the name must not change across restarts.
         self.node_name: str = f"outbox-test-{self.port}@localhost"
         self.extra_conf = list(extra_conf or [])
-        self.base_dir = base_dir
-        #: The temporary directory (mnesia/, log/, rabbitmq.conf...); None before start.
-        self.directory: Path | None = None
         self.dist_port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._owner_pid = os.getpid()
         if not _RABBIT_SERVER.exists():
             raise ServerError(f"RabbitMQ server script not found at {_RABBIT_SERVER}")
 
-    def _dir(self) -> Path:
-        if self.directory is None:
-            raise ServerError("RabbitMQ node has no directory (not started or cleaned up)")
-        return self.directory
+    # -- paths (in ``directory``: mnesia/, log/, rabbitmq.conf...) ----------------------------
 
     @property
     def console_log(self) -> Path:
@@ -849,12 +882,9 @@ class RabbitServer:
         """Start the node in the background and wait until an AMQP connection works."""
         if self.running:
             return
-        if self.directory is None:
-            self.directory = _make_dir("outbox-rmq-", self.base_dir)
-            _LIVE.add(self)
+        self._make_dir()
         self._prepare()
-        if not _port_is_free(self.port):
-            raise _error(f"RabbitMQ port {_LOOPBACK}:{self.port} is already in use", [])
+        self._check_port()
         # The distribution port is not persistent state: keep it if still free, else re-pick.
         if self.dist_port is None or not _port_is_free(self.dist_port):
             self.dist_port = free_port()
@@ -951,10 +981,7 @@ class RabbitServer:
         if sig == signal.SIGKILL:
             for pid in victims:
                 _signal(pid, sig)
-        return _wait_for(
-            lambda: not _group_members(pgid) and not any(_alive(pid) for pid in victims),
-            timeout,
-        )
+        return _gone(victims, timeout, group=pgid)
 
     def _terminate(self, graceful_timeout: float | None) -> None:
         """SIGTERM (if a timeout is given) then SIGKILL the node, and wait until it is gone."""
@@ -989,41 +1016,9 @@ class RabbitServer:
                          result.stdout + result.stderr)
         return result.stdout
 
-    def restart(self, timeout: float = 60.0) -> None:
-        """Start again on the same port, node name and data directory."""
-        if self.running:
-            self.stop()
-        else:
-            self._terminate(None)  # whatever is left of a node that died on its own
-        self.start(timeout)
-
-    def cleanup(self) -> None:
-        """Kill the node if running and remove its files."""
-        if self.directory is None:
-            return
-        self.kill()
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory = None
-        _LIVE.discard(self)
-
-    def __enter__(self) -> RabbitServer:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
 
-class RabbitCluster:
+class RabbitCluster(_Throwaway):
     """``size`` RabbitMQ nodes on this machine joined into one cluster (no Docker).
 
     Each node is a RabbitServer of its own (node name, AMQP port, distribution port, data
@@ -1059,21 +1054,7 @@ class RabbitCluster:
 
     def start(self, timeout: float = 90.0) -> None:
         self.nodes[0].start(timeout)
-        errors: list[BaseException] = []
-
-        def boot(node: RabbitServer) -> None:
-            try:
-                node.start(timeout)
-            except BaseException as exc:  # reported below, from the caller's thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=boot, args=(node,)) for node in self.nodes[1:]]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        start_together(*(functools.partial(node.start, timeout) for node in self.nodes[1:]))
         joined = self.ctl("cluster_status", "--formatter", "json")
         missing = [n.node_name for n in self.nodes if f'"{n.node_name}"' not in joined]
         if missing:
@@ -1128,15 +1109,3 @@ class RabbitCluster:
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
-
-    def __enter__(self) -> RabbitCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.cleanup()

@@ -49,7 +49,7 @@
 --   first age() reading of this transaction; age() assigns no transaction id, so a claim that
 --   locks nothing still writes nothing). SKIP LOCKED would skip them too, but only after the
 --   probes: with 4 relays, up to 16,000 such rows come before the first free one, and probing
---   each cost PostgreSQL about a quarter more CPU per keyed event (docs/performance.md).
+--   each cost PostgreSQL about a quarter more CPU per keyed event (benchmarks/NOTEBOOK.md).
 --   xmax is only a hint here, never trusted for order (the checks below still decide): a
 --   row whose locker finished after the snapshot waits for the next claim, and a multixact
 --   (share locks of other clients) read as a transaction id at worst has its row stepped over
@@ -61,7 +61,7 @@
 -- SKIP LOCKED). A row whose key's oldest row is in a batch in flight cannot be taken now.
 -- Locked anyway (the claim's first form), such rows took room in the batch and were dropped
 -- after: with 4 relays and 10,000 keys at random distances, half of every batch, twice
--- the claims and PREPAREs (docs/performance.md). Stepped over without a bound, they
+-- the claims and PREPAREs (benchmarks/NOTEBOOK.md). Stepped over without a bound, they
 -- made a claim with few keys, all held, read the whole backlog (measured: 53 ms a claim over
 -- 50,000 rows); the look stops at three batches instead, and rows beyond it wait for the
 -- next claim.
@@ -329,7 +329,7 @@ SELECT to_regclass(%(key_index)s) IS NOT NULL AND to_regclass(%(dead_letter_key_
 -- claims lock rows they then drop (a key whose oldest row another claim holds), and each makes
 -- the others' batches smaller: with 50 keys, 4 relays relayed 0.07x the keyless rate and
 -- PostgreSQL burnt over 80 s of CPU on 50,000 events; one claim at a time, 0.42x
--- (docs/performance.md). Taken and released around the claim statement in one
+-- (benchmarks/NOTEBOOK.md). Taken and released around the claim statement in one
 -- pipeline (store.py), so it is never held while the server waits on a relay; the claims
 -- themselves are milliseconds, the batches (prepare, publish, commit) still overlap.
 SELECT pg_advisory_lock(%(key)s);

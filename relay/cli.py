@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
-from outbox_relay.postgres import connect
+from outbox_relay.postgres import connect_pinned
 from outbox_relay.relay import dead_letter, faults
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.publisher import AmqpPublisher
@@ -21,7 +21,6 @@ from outbox_relay.runtime import http, logs, options
 from outbox_relay.runtime.exits import EXIT_OK, EXIT_STARTUP, run_program
 from outbox_relay.runtime.signals import Shutdown
 from outbox_relay.schema import migrate, schema_sql
-from outbox_relay.tables import Tables
 from outbox_relay.version import __version__
 
 log = logging.getLogger("relay")
@@ -136,17 +135,18 @@ def _run(args: argparse.Namespace) -> int:
 def _dead_letter(args: argparse.Namespace) -> int:
     values = options.resolve(args, DEAD_LETTER_OPTIONS)
     try:
-        return _dead_letter_command(args, values["database_url"], Tables(values["table"]),
+        return _dead_letter_command(args, values["database_url"], values["table"],
                                     values["connect_timeout"])
     except StartupCheckError as exc:  # a missing table: one line, no log set up to repeat it
         print(f"outbox-relay: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
 
 
-def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Tables,
+def _dead_letter_command(args: argparse.Namespace, database_url: str, table: str,
                          connect_timeout: float) -> int:
-    with connect(database_url, timeout=connect_timeout,
-                 application_name="outbox-relay dead-letter") as conn:
+    conn, tables = connect_pinned(database_url, table, timeout=connect_timeout,
+                                  application_name="outbox-relay dead-letter")
+    with conn:
         if args.dead_letter_command == "list":
             rows, total = dead_letter.list_dead_letters(conn, tables, args.limit)
             if args.json:

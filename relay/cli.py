@@ -9,9 +9,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
+from outbox_relay.errors import OutboxError, StartupCheckError
 from outbox_relay.postgres import connect_pinned
-from outbox_relay.relay import dead_letter, faults
+from outbox_relay.relay import dead_letter
+from outbox_relay.relay.faults import Fault, no_fault
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.publisher import AmqpPublisher
 from outbox_relay.relay.settings import RELAY_OPTIONS, RelaySettings
@@ -78,13 +79,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, fault: Fault = no_fault) -> int:
+    """``outbox-relay``. ``fault``: the crash-point hook (relay/faults.py), given only by the
+    tests' launcher (devenv/crash_points.py): the command itself reads no such setting."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-")
                          and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
-    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(args.command, _run)
+    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(
+        args.command, lambda run_args: _run(run_args, fault))
     return run_program("outbox-relay", log, lambda: command(args))
 
 
@@ -100,12 +104,8 @@ def _migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, fault: Fault) -> int:
     settings = RelaySettings(**options.resolve(args, RELAY_OPTIONS))
-    try:
-        fault = faults.crash_hook()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()

@@ -74,7 +74,7 @@ def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[op
         seen: dict[str, argparse.Namespace] = {}
 
         def capture(name: str) -> Any:
-            def run(namespace: argparse.Namespace) -> int:
+            def run(namespace: argparse.Namespace, *_fault: Any) -> int:  # _run takes a hook
                 seen[name] = namespace
                 return 0
             return run

@@ -40,6 +40,11 @@ USER 10001:10001
 
 # /metrics of outbox-relay (OUTBOX_METRICS_PORT default) and of outbox-resolver.
 EXPOSE 9460 9461
+# The programs listen on loopback unless told otherwise; in a container, Prometheus and the
+# kubelet's probes come from outside it (the pod's or the container's address), and the
+# container's own network is the boundary: every address of it. Publish the port (-p) or
+# open it with a NetworkPolicy only where the scraper needs it.
+ENV OUTBOX_METRICS_HOST=0.0.0.0
 
 # No ENTRYPOINT and no init: the program is PID 1 and handles SIGTERM itself (finish or roll
 # back the batch in flight, then exit 0). Exec form, so the signal reaches Python directly.

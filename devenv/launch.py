@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,16 +26,29 @@ def program_env(database_url: str, amqp_url: str, **settings: str) -> dict[str, 
 # The programs by the short names the tests, the benchmark and the runs give them.
 PROGRAMS = {"relay": "outbox_relay.relay", "resolver": "outbox_relay.resolver"}
 
+# The relay with crash points (OUTBOX_TEST_CRASH_AT, ...): the installed relay reads no such
+# variable (relay/faults.py), so a launch whose environment sets one runs this in its place.
+CRASH_POINT_RELAY = "devenv.crash_points"
 
-def command(program: str, *args: str) -> list[str]:
-    """The command line that runs ``program`` (``relay``, ``resolver`` or a module's name)."""
-    return [sys.executable, "-m", PROGRAMS.get(program, program), *args]
+
+def wants_crash_points(env: Mapping[str, str]) -> bool:
+    return any(name.startswith("OUTBOX_TEST_") and value for name, value in env.items())
+
+
+def command(program: str, *args: str, crash_points: bool = False) -> list[str]:
+    """The command line that runs ``program`` (``relay``, ``resolver`` or a module's name);
+    ``crash_points``: the relay through devenv/crash_points.py."""
+    module = PROGRAMS.get(program, program)
+    if crash_points and module == PROGRAMS["relay"]:
+        module = CRASH_POINT_RELAY
+    return [sys.executable, "-m", module, *args]
 
 
 def launch(program: str, env: dict[str, str], log_path: Path, *args: str,
            append: bool = False) -> subprocess.Popen[bytes]:
     """``python -m <program's module> args`` from the checkout (``program``: ``relay``,
-    ``resolver`` or a module's name), its output to ``log_path``."""
+    ``resolver`` or a module's name), its output to ``log_path``; a relay whose ``env`` sets
+    OUTBOX_TEST_* crash points runs with them (devenv/crash_points.py)."""
     with open(log_path, "ab" if append else "wb") as log:
-        return subprocess.Popen(command(program, *args), env=env, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command(program, *args, crash_points=wants_crash_points(env)),
+                                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -202,7 +202,9 @@ class Inbox:
         """Create the inbox tables if they do not exist (idempotent; concurrent runs wait for
         each other). Commits unless ``conn`` is already inside a transaction."""
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay inbox migrate'))")
+            # The service's own session and search_path: qualified (sql/api.sql says why).
+            conn.execute("SELECT pg_catalog.pg_advisory_xact_lock("
+                         "pg_catalog.hashtext('outbox-relay inbox migrate'))")
             conn.execute(self._tables.compose(sql_files.text("inbox.sql")))
 
     def prune(self, conn: psycopg.Connection[Any], *,

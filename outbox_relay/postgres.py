@@ -56,6 +56,89 @@ def connect(url: str, *, timeout: float, application_name: str) -> psycopg.Conne
         raise TransientError(f"cannot connect to PostgreSQL: {describe(exc)}") from exc
 
 
+def pin_search_path(conn: psycopg.Connection[Any], table: str) -> Tables:
+    """Pin the session's search_path to ``pg_catalog, pg_temp``; returns ``table``'s Tables
+    with the schema it names or was found in under the session's own path (before the pin).
+
+    PostgreSQL picks the best match for a function or operator among every schema on the
+    path, not the first one that has the name: with the default path, a producer's
+    public.mod(numeric, bigint) beats pg_catalog's mod(numeric, numeric) in the claim and runs
+    as the relay's role (public is writable by every role on PostgreSQL 13 and 14). Pinned,
+    only pg_catalog's are ever found, whoever may create in the outbox's schema. (Pinned to
+    ``pg_catalog, <the outbox's schema>`` instead, a look-alike operator there would still beat
+    a cast: the claim's byte budget compares numeric with integer.) A SET at connect rather
+    than libpq's ``options``: PgBouncer refuses that parameter or drops it, and the URL may
+    carry options of its own (their search_path is the one the table is looked up in).
+    """
+    given = Tables(table)
+    schema = given.schema_name
+    if schema is None:
+        row = conn.execute(given.query("outbox_schema"),
+                           {"outbox": given.outbox.as_string(None)}).fetchone()
+        schema = row[0] if row else None
+        if schema is None:
+            raise StartupCheckError(
+                f"table {table!r} is not on the search_path and there is no schema to create "
+                "it in: name its schema in OUTBOX_TABLE (schema.table)")
+    conn.execute(given.query("pin_search_path"))
+    return Tables(table, schema=schema)
+
+
+def connect_pinned(url: str, table: str, *, timeout: float,
+                   application_name: str) -> tuple[psycopg.Connection[Any], Tables]:
+    """``connect``, then ``pin_search_path``: every session of the relay and the resolver."""
+    conn = connect(url, timeout=timeout, application_name=application_name)
+    try:
+        return conn, pin_search_path(conn, table)
+    except BaseException:
+        conn.close()
+        raise
+
+
+def check_create(conn: psycopg.Connection[Any], tables: Tables) -> list[str]:
+    """Refuse to run when anyone but a superuser may create in pg_catalog, the only schema the
+    pinned search_path looks in; returns a warning when PUBLIC or another role may create in
+    the outbox's schema (the programs never look there for a function, but the producers',
+    the services' and psql sessions do, with the default search_path)."""
+    rows = conn.execute(tables.query("create_check"), {
+        "outbox": tables.outbox.as_string(None), "schema": tables.schema_name or "pg_catalog",
+    }).fetchall()
+    warnings = []
+    for schema, public_create, roles in rows:
+        who = "PUBLIC" if public_create else _some(roles)
+        if not who:
+            continue
+        revoke = (f"REVOKE CREATE ON SCHEMA {sql.Identifier(schema).as_string(None)} FROM "
+                  + ("PUBLIC" if public_create else ", ".join(
+                      sql.Identifier(role).as_string(None) for role in roles)))
+        if schema == "pg_catalog":
+            raise StartupCheckError(
+                f"{who} may CREATE in schema pg_catalog, where this program looks up every "
+                f"function: what they create there would run as its role; {revoke}")
+        warnings.append(
+            f"{who} may CREATE in schema {schema!r}, the outbox's: a function or operator "
+            "created there runs as whoever has the schema on their search_path (the default "
+            "path has public); the relay and the resolver pin theirs to pg_catalog, your "
+            f"services and psql do not: {revoke}" + (" (sql/roles.sql does)" if public_create
+                                                      and schema == "public" else ""))
+    return warnings
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """``a, b and 3 more roles`` (empty for no names)."""
+    if not names:
+        return ""
+    listed = ", ".join(names[:shown])
+    rest = len(names) - shown
+    noun = "role" if len(names) == 1 else "roles"
+    return f"{noun} {listed}" + (f" and {rest} more" if rest > 0 else "")
+
+
+def warn_create(warnings: list[str]) -> None:
+    for warning in warnings:
+        log.warning("%s", warning, extra={"action": "schema_create_open"})
+
+
 def usable(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
     if conn is None or conn.closed:
         raise TransientError("not connected to PostgreSQL")
@@ -153,8 +236,10 @@ def check_standbys(url: str, conn: psycopg.Connection[Any], timeout: float) -> l
             with psycopg.connect(psycopg.conninfo.make_conninfo(
                     url, host=host, port=str(port), target_session_attrs="any",
                     connect_timeout=str(max(1, round(timeout)))), autocommit=True) as other:
-                found = other.execute("SELECT current_setting('max_prepared_transactions')::int,"
-                                      " pg_is_in_recovery()").fetchone()
+                # Unpinned and read once: every name qualified (see pin_search_path).
+                found = other.execute(
+                    "SELECT pg_catalog.current_setting('max_prepared_transactions')::int,"
+                    " pg_catalog.pg_is_in_recovery()").fetchone()
         except psycopg.Error as exc:
             warnings.append(f"standby {host}:{port} not checked: {describe(exc)}")
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox_relay.postgres import connect
+from outbox_relay.postgres import connect_pinned
 from outbox_relay.tables import Tables
 
 
@@ -13,11 +13,15 @@ def schema_sql(table: str) -> str:
 
 def migrate(url: str, table: str, *, timeout: float = 10.0) -> None:
     """Create the outbox and dead-letter tables and their indexes if they do not exist."""
-    # One transaction, and one lock so two sidecars migrating at once do not collide.
-    with connect(url, timeout=timeout, application_name="outbox-relay migrate") as conn, \
-            conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
-        conn.execute(Tables(table).schema())
+    # One transaction, and one lock so two sidecars migrating at once do not collide. The
+    # session's search_path is pinned and the tables named with their schema (a migration
+    # often runs as a superuser: nothing in the schema may resolve to another role's function).
+    conn, tables = connect_pinned(url, table, timeout=timeout,
+                                  application_name="outbox-relay migrate")
+    with conn, conn.transaction():
+        conn.execute("SELECT pg_catalog.pg_advisory_xact_lock("
+                     "pg_catalog.hashtext('outbox-relay migrate'))")
+        conn.execute(tables.schema())
 
 
 __all__ = ["migrate", "schema_sql"]

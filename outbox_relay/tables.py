@@ -29,22 +29,29 @@ def table_name(text: str) -> str:
 
 
 class Tables:
-    """Identifiers for the configured outbox table and its companions, never string-formatted."""
+    """Identifiers for the configured outbox table and its companions, never string-formatted.
 
-    def __init__(self, table: str) -> None:
-        *schema, name = table.split(".")
+    ``schema``: the schema an unqualified ``table`` was found in (postgres.pin_search_path):
+    the identifiers then name it, and resolve whatever the session's search_path. The names
+    shown to people (``name``, ``dead_letter_name``, ``ledger_key_name``) stay as configured.
+    """
+
+    def __init__(self, table: str, *, schema: str | None = None) -> None:
+        *given, name = table.split(".")
         self.name = table
-        self.dead_letter_name = ".".join([*schema, f"{name}_dead_letter"])
-        self.ledger_key_name = ".".join([*schema, f"{name}_ledger_key"])
-        self.outbox = sql.Identifier(*schema, name)
-        self.dead_letter = sql.Identifier(*schema, f"{name}_dead_letter")
-        self.ledger_key = sql.Identifier(*schema, f"{name}_ledger_key")
+        self.dead_letter_name = ".".join([*given, f"{name}_dead_letter"])
+        self.ledger_key_name = ".".join([*given, f"{name}_ledger_key"])
+        self.schema_name = given[0] if given else schema
+        schema_part = [self.schema_name] if self.schema_name else []
+        self.outbox = sql.Identifier(*schema_part, name)
+        self.dead_letter = sql.Identifier(*schema_part, f"{name}_dead_letter")
+        self.ledger_key = sql.Identifier(*schema_part, f"{name}_ledger_key")
         self.message_id_index = sql.Identifier(f"{name}_message_id_key")
         self.retry_index = sql.Identifier(f"{name}_retry_idx")
         self.key_index = sql.Identifier(f"{name}_key_idx")
         self.dead_letter_key_index = sql.Identifier(f"{name}_dead_letter_key_idx")
         # Indexes live in their table's schema: the qualified names, to look them up.
-        self.key_indexes = tuple(sql.Identifier(*schema, f"{name}{suffix}")
+        self.key_indexes = tuple(sql.Identifier(*schema_part, f"{name}{suffix}")
                                  for suffix in ("_key_idx", "_dead_letter_key_idx"))
 
     def compose(self, template: str) -> sql.Composed:

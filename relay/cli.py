@@ -9,9 +9,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
-from outbox_relay.postgres import connect
-from outbox_relay.relay import dead_letter, faults
+from outbox_relay.errors import OutboxError, StartupCheckError
+from outbox_relay.postgres import connect_pinned
+from outbox_relay.relay import dead_letter
+from outbox_relay.relay.faults import Fault, no_fault
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.publisher import AmqpPublisher
 from outbox_relay.relay.settings import RELAY_OPTIONS, RelaySettings
@@ -21,7 +22,6 @@ from outbox_relay.runtime import http, logs, options
 from outbox_relay.runtime.exits import EXIT_OK, EXIT_STARTUP, run_program
 from outbox_relay.runtime.signals import Shutdown
 from outbox_relay.schema import migrate, schema_sql
-from outbox_relay.tables import Tables
 from outbox_relay.version import __version__
 
 log = logging.getLogger("relay")
@@ -79,13 +79,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, fault: Fault = no_fault) -> int:
+    """``outbox-relay``. ``fault``: the crash-point hook (relay/faults.py), given only by the
+    tests' launcher (devenv/crash_points.py): the command itself reads no such setting."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-")
                          and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
-    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(args.command, _run)
+    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(
+        args.command, lambda run_args: _run(run_args, fault))
     return run_program("outbox-relay", log, lambda: command(args))
 
 
@@ -101,12 +104,8 @@ def _migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, fault: Fault) -> int:
     settings = RelaySettings(**options.resolve(args, RELAY_OPTIONS))
-    try:
-        fault = faults.crash_hook()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     logs.setup(settings.log_level, settings.log_format)
     shutdown = Shutdown()
     shutdown.install()
@@ -136,17 +135,18 @@ def _run(args: argparse.Namespace) -> int:
 def _dead_letter(args: argparse.Namespace) -> int:
     values = options.resolve(args, DEAD_LETTER_OPTIONS)
     try:
-        return _dead_letter_command(args, values["database_url"], Tables(values["table"]),
+        return _dead_letter_command(args, values["database_url"], values["table"],
                                     values["connect_timeout"])
     except StartupCheckError as exc:  # a missing table: one line, no log set up to repeat it
         print(f"outbox-relay: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
 
 
-def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Tables,
+def _dead_letter_command(args: argparse.Namespace, database_url: str, table: str,
                          connect_timeout: float) -> int:
-    with connect(database_url, timeout=connect_timeout,
-                 application_name="outbox-relay dead-letter") as conn:
+    conn, tables = connect_pinned(database_url, table, timeout=connect_timeout,
+                                  application_name="outbox-relay dead-letter")
+    with conn:
         if args.dead_letter_command == "list":
             rows, total = dead_letter.list_dead_letters(conn, tables, args.limit)
             if args.json:

@@ -1,18 +1,19 @@
-"""Crash points for fault-injection tests: the relay kills itself, or stalls, at a named step.
+"""Crash points: the named steps of a batch at which a fault-injection test may kill or stall
+the relay.
 
-Set ``OUTBOX_TEST_CRASH_AT`` to one of ``CRASH_POINTS`` (and optionally
-``OUTBOX_TEST_CRASH_AFTER`` to the number of times the point is passed first). With
-``OUTBOX_TEST_STALL_SECONDS`` as well, the relay sleeps that long at the point instead of dying:
-a slow but live relay. Tests use this instead of timing luck; it is not a production setting
-and is off when unset.
+The relay calls the ``fault`` function it was given (``Relay``, ``AmqpPublisher``) with each
+point it passes. The installed programs give it ``no_fault``: no setting and no environment
+variable of ``outbox-relay run`` turns a crash point on, so a production deployment cannot.
+The tests' hook, and the variables that set it, live in ``devenv/crash_points.py``, a launcher
+of the checkout that the wheel does not ship; ``devenv/launch.py`` runs it in place of the relay
+when a launch asks for crash points.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+
+Fault = Callable[[str], None]
 
 CRASH_POINTS = (
     "after_claim",  # rows locked and deleted, not prepared yet
@@ -24,27 +25,5 @@ CRASH_POINTS = (
 )
 
 
-def crash_hook(environ: Mapping[str, str] | None = None) -> Callable[[str], None]:
-    """A function to call at each crash point; a no-op unless the environment asks for a crash."""
-    environ = os.environ if environ is None else environ
-    point = environ.get("OUTBOX_TEST_CRASH_AT", "")
-    if not point:
-        return lambda _point: None
-    if point not in CRASH_POINTS:
-        raise ValueError(f"OUTBOX_TEST_CRASH_AT must be one of {', '.join(CRASH_POINTS)}")
-    remaining = [int(environ.get("OUTBOX_TEST_CRASH_AFTER", "0"))]
-    stall = float(environ.get("OUTBOX_TEST_STALL_SECONDS", "0"))
-
-    def hook(reached: str) -> None:
-        if reached != point or remaining[0] < 0:
-            return
-        if remaining[0] > 0:
-            remaining[0] -= 1
-            return
-        if stall > 0:
-            remaining[0] = -1  # stall once, then run normally
-            time.sleep(stall)
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
+def no_fault(_point: str) -> None:
+    """The installed relay's hook: every crash point passes by."""

@@ -21,15 +21,17 @@ from psycopg.types.json import Jsonb
 from outbox_relay.errors import StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
+    check_create,
     check_server,
     check_standbys,
-    connect,
+    connect_pinned,
     finish_prepared,
     outbox_stats,
     read_ledger_key,
     translated,
     try_instance_lock,
     usable,
+    warn_create,
     warn_unchecked,
 )
 from outbox_relay.tables import Tables
@@ -115,6 +117,7 @@ class OutboxStore:
                  application_name: str = "outbox-relay", standby_wait: str = "",
                  standby_wait_timeout: float = 10.0) -> None:
         self._url = url
+        self._table = table
         self._standby_wait = standby_wait
         self._standby_wait_timeout = standby_wait_timeout
         self._connect_timeout = connect_timeout
@@ -123,6 +126,7 @@ class OutboxStore:
         self._conn: psycopg.Connection[Any] | None = None
         self._claim_conn: psycopg.Connection[Any] | None = None
         self._standbys_checked = False
+        self._create_checked = False
         self._claim = self.tables.query("claim")
         self._claim_lock = (self.tables.query("claim_lock"), self.tables.query("claim_unlock"),
                             {"key": claim_lock_key(table)})
@@ -153,12 +157,20 @@ class OutboxStore:
     def connect(self, lock_class: int, instance: int) -> None:
         """Connect, check the server and schema, and take this relay's instance lock."""
         self.close()
-        self._conn = without_prepare(connect(self._url, timeout=self._connect_timeout,
-                                             application_name=self._application_name))
+        # Both sessions pin search_path (postgres.pin_search_path) and name the tables with
+        # the schema the table was found in.
+        conn, self.tables = connect_pinned(self._url, self._table,
+                                           timeout=self._connect_timeout,
+                                           application_name=self._application_name)
+        self._conn = without_prepare(conn)
+        self._claim = self.tables.query("claim")
         check_server(self._conn, self.tables)
         if not self._standbys_checked:  # once per process, not at every reconnect
             warn_unchecked(check_standbys(self._url, self._conn, self._connect_timeout))
             self._standbys_checked = True
+        if not self._create_checked:
+            warn_create(check_create(self._conn, self.tables))
+            self._create_checked = True
         check_order_schema(self._conn, self.tables)
         self.ledger_key, self.database = read_ledger_key(self._conn, self.tables)
         # The lock lives as long as this session: the resolver takes it to learn we are gone.
@@ -166,9 +178,9 @@ class OutboxStore:
             self.close()
             raise TransientError("instance lock busy (a resolver is checking it); retrying")
         try:
-            self._claim_conn = claim_session(connect(
-                self._url, timeout=self._connect_timeout,
-                application_name=f"{self._application_name} claim"))
+            self._claim_conn = claim_session(connect_pinned(
+                self._url, self._table, timeout=self._connect_timeout,
+                application_name=f"{self._application_name} claim")[0])
             # created_at travels as text from the claim to a dead-letter insert on this session:
             # one fixed, unambiguous form.
             self._claim_conn.execute("SET datestyle TO ISO, YMD")

@@ -548,7 +548,7 @@ class Relay(Loop):
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             self._connections.failed(server, exc)
-            self.health.set_check(server, f"reconnecting: {exc}")
+            self.health.set_check(server, "reconnecting", exc)
 
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),

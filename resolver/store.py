@@ -46,7 +46,9 @@ class PostgresPreparedStore:
         self._connect_timeout = connect_timeout
         self.tables = Tables(table)
         self._conn: psycopg.Connection[Any] | None = None
+        self._table = table
         self._standbys_checked = False
+        self._create_checked = False
         self.ledger_key = b""  # read on connect
         self.role = SessionRole("", superuser=False)
 
@@ -58,13 +60,18 @@ class PostgresPreparedStore:
     def connect(self) -> None:
         """Connect, fail fast on 2PC off or a missing schema, read the ledger key and our role."""
         self.close()
-        conn = postgres.connect(self._url, timeout=self._connect_timeout,
-                             application_name="outbox-resolver")
+        # search_path pinned, tables named with their schema (postgres.pin_search_path).
+        conn, self.tables = postgres.connect_pinned(self._url, self._table,
+                                                    timeout=self._connect_timeout,
+                                                    application_name="outbox-resolver")
         try:
             postgres.check_server(conn)
             if not self._standbys_checked:  # once per process, not at every reconnect
                 postgres.warn_unchecked(postgres.check_standbys(self._url, conn, self._connect_timeout))
                 self._standbys_checked = True
+            if not self._create_checked:
+                postgres.warn_create(postgres.check_create(conn, self.tables))
+                self._create_checked = True
             self.ledger_key, _database = postgres.read_ledger_key(conn, self.tables)
             self.role = session_role(conn)
         except BaseException:

@@ -287,7 +287,7 @@ class Resolver(Loop):
             try:
                 self.store.connect()
             except TransientError as exc:
-                self.health.set_check(Server.POSTGRESQL, str(exc))
+                self.health.set_check(Server.POSTGRESQL, "cannot connect", exc)
                 raise
             self._mark_up(Server.POSTGRESQL)
 
@@ -295,7 +295,7 @@ class Resolver(Loop):
         try:
             self.ledger.connect()
         except TransientError as exc:
-            self.health.set_check(Server.RABBITMQ, str(exc))
+            self.health.set_check(Server.RABBITMQ, "cannot connect", exc)
             raise
         self._mark_up(Server.RABBITMQ)
 
@@ -327,9 +327,9 @@ class Resolver(Loop):
             log.warning("scan failed: %s; retrying", exc, extra={"action": "scan_failed"})
         # Name the server that failed the scan; close() then drops both connections.
         if isinstance(exc, DatabaseError):
-            self.health.set_check(Server.POSTGRESQL, f"scan failed: {exc}")
+            self.health.set_check(Server.POSTGRESQL, "scan failed", exc)
         elif not self.ledger.connected:
-            self.health.set_check(Server.RABBITMQ, f"scan failed: {exc}")
+            self.health.set_check(Server.RABBITMQ, "scan failed", exc)
         self.close()
 
     def on_recovered(self) -> None:

@@ -1,6 +1,17 @@
 -- Named queries of the Python API for services (outbox_relay.producer, outbox_relay.inbox).
 -- {outbox}, {inbox} and {inbox_keys} are identifiers composed with psycopg.sql; %(x)s are bind
 -- parameters. Casts are written CAST(x AS type), which SQLAlchemy's text() reads as well as psycopg.
+--
+-- These run on the service's own connection, in its transaction, under its own search_path:
+-- the API does not change it (a SET LOCAL would change it for the rest of the caller's
+-- transaction). So every function is called pg_catalog-qualified: PostgreSQL picks the best
+-- match among every schema on the path, and a look-alike in a schema others may create in
+-- (public, on PostgreSQL 13 and 14) could otherwise run as the service's role. The one
+-- exception is the multi-argument unnest, which PostgreSQL itself expands into
+-- pg_catalog.unnest calls (qualified, it would not be expanded). The operators are exact
+-- matches of pg_catalog's (text = text, bigint < bigint, timestamptz - interval): found there
+-- first as long as the service's search_path does not name pg_catalog after such a schema
+-- (by default it comes first).
 
 -- name: enqueue
 -- The producer's INSERT: one statement for any number of events (one round trip), in the
@@ -9,7 +20,7 @@
 -- made by the caller, so no RETURNING (and no SELECT grant) is needed.
 INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
                       headers, content_type, available_at)
-SELECT m, e, r, o, CAST(p AS jsonb), b, CAST(h AS jsonb), c, coalesce(a, now())
+SELECT m, e, r, o, CAST(p AS jsonb), b, CAST(h AS jsonb), c, coalesce(a, pg_catalog.now())
 FROM unnest(CAST(%(message_id)s AS text[]), CAST(%(exchange)s AS text[]),
             CAST(%(routing_key)s AS text[]), CAST(%(ordering_key)s AS text[]),
             CAST(%(payload)s AS text[]), CAST(%(payload_bytes)s AS bytea[]),
@@ -34,7 +45,8 @@ WITH recorded AS (
            %(message_id)s
     WHERE EXISTS (SELECT FROM recorded) AND CAST(%(ordering_key)s AS text) IS NOT NULL
     ON CONFLICT (consumer, ordering_key) DO UPDATE
-        SET position = excluded.position, message_id = excluded.message_id, applied_at = now()
+        SET position = excluded.position, message_id = excluded.message_id,
+            applied_at = pg_catalog.now()
         WHERE k.position < excluded.position
     RETURNING 1
 )
@@ -46,7 +58,8 @@ SELECT EXISTS (SELECT FROM recorded), EXISTS (SELECT FROM advanced);
 DELETE FROM {inbox}
 WHERE (consumer, message_id) IN (
     SELECT consumer, message_id FROM {inbox}
-    WHERE processed_at < now() - make_interval(secs => CAST(%(older_than)s AS float8))
+    WHERE processed_at
+          < pg_catalog.now() - pg_catalog.make_interval(secs => CAST(%(older_than)s AS float8))
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 );
@@ -57,7 +70,8 @@ WHERE (consumer, message_id) IN (
 DELETE FROM {inbox_keys}
 WHERE (consumer, ordering_key) IN (
     SELECT consumer, ordering_key FROM {inbox_keys}
-    WHERE applied_at < now() - make_interval(secs => CAST(%(older_than)s AS float8))
+    WHERE applied_at
+          < pg_catalog.now() - pg_catalog.make_interval(secs => CAST(%(older_than)s AS float8))
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 );

@@ -13,7 +13,7 @@
 CREATE TABLE IF NOT EXISTS {inbox} (
     consumer     text NOT NULL,
     message_id   text NOT NULL,
-    processed_at timestamptz NOT NULL DEFAULT now(),
+    processed_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
     PRIMARY KEY (consumer, message_id)
 );
 
@@ -27,7 +27,7 @@ CREATE TABLE IF NOT EXISTS {inbox_keys} (
     ordering_key text NOT NULL,
     position     bigint NOT NULL,
     message_id   text NOT NULL,
-    applied_at   timestamptz NOT NULL DEFAULT now(),
+    applied_at   timestamptz NOT NULL DEFAULT pg_catalog.now(),
     PRIMARY KEY (consumer, ordering_key)
 );
 

@@ -1,5 +1,16 @@
 -- Named queries of the outbox store. Each starts with a "-- name:" line; {outbox} and
 -- {dead_letter} are table identifiers composed with psycopg.sql, %(x)s are bind parameters.
+--
+-- Names: every session of the relay and the resolver runs with search_path pinned to
+-- pg_catalog, pg_temp and schema-qualified tables (outbox_relay/postgres.py, pin_search_path),
+-- so no function, operator or type here can resolve to one another role created. PostgreSQL
+-- picks the best match among every schema on the path, not the first: with the default path,
+-- a producer's public.mod(numeric, bigint) or operator <= (numeric, integer) beats pg_catalog's
+-- mod(numeric, numeric) and <= (numeric, numeric), which need a cast (public is writable by
+-- every role on PostgreSQL 13 and 14). The calls that need a cast (mod, format, convert_to,
+-- power, make_interval, the advisory locks) are also written pg_catalog-qualified, for a copy
+-- of a statement run in an unpinned session (psql, a benchmark); operators are not, and rely
+-- on the pin.
 
 -- name: claim
 -- Step 1 of the protocol. Lock due rows without waiting on anyone's locks and delete them in
@@ -99,9 +110,9 @@ WITH live AS MATERIALIZED (
     -- The transactions running at this statement's snapshot: those it lists, and those that
     -- started after it and before this transaction first read age() (lag: how many). An xid8
     -- becomes an xid through text (its low 32 bits), the way every supported version has.
-    SELECT ARRAY(SELECT mod(x::text::numeric, 4294967296)::text::xid
+    SELECT ARRAY(SELECT pg_catalog.mod(x::text::numeric, 4294967296)::text::xid
                  FROM pg_snapshot_xip(s) AS x) AS xids,
-           age(mod(pg_snapshot_xmax(s)::text::numeric, 4294967296)::text::xid) AS lag
+           age(pg_catalog.mod(pg_snapshot_xmax(s)::text::numeric, 4294967296)::text::xid) AS lag
     FROM pg_current_snapshot() AS s
 ), claimed AS (
     DELETE FROM {outbox}
@@ -191,12 +202,14 @@ WITH live AS MATERIALIZED (
 ), oversized AS (
     SELECT *, CASE WHEN coalesce(octet_length(payload_bytes), octet_length(payload::text))
                         > %(max_message_bytes)s
-                   THEN format('payload of %%s bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=%%s',
-                               coalesce(octet_length(payload_bytes), octet_length(payload::text)),
-                               %(max_message_bytes)s)
-                   ELSE format('row of %%s bytes (payload, headers and text columns) exceeds the '
-                               '%%s bytes the relay fetches of one row', row_bytes,
-                               %(max_row_bytes)s)
+                   THEN pg_catalog.format(
+                            'payload of %%s bytes exceeds OUTBOX_MAX_MESSAGE_BYTES=%%s',
+                            coalesce(octet_length(payload_bytes), octet_length(payload::text)),
+                            %(max_message_bytes)s)
+                   ELSE pg_catalog.format(
+                            'row of %%s bytes (payload, headers and text columns) exceeds the '
+                            '%%s bytes the relay fetches of one row', row_bytes,
+                            %(max_row_bytes)s)
               END AS reason
     FROM claimed
     WHERE row_bytes > %(max_row_bytes)s
@@ -210,7 +223,7 @@ WITH live AS MATERIALIZED (
     FROM oversized
 )
 SELECT id, message_id, exchange, routing_key, ordering_key,
-       coalesce(payload_bytes, convert_to(payload::text, 'UTF8')) AS body,
+       coalesce(payload_bytes, pg_catalog.convert_to(payload::text, 'UTF8')) AS body,
        payload IS NOT NULL AS is_json, headers::text AS headers, content_type,
        extract(epoch FROM created_at)::float8 AS created_epoch, created_at::text AS created_at,
        attempts, row_bytes, NULL::text AS dead_reason
@@ -250,9 +263,9 @@ WHERE id = ANY(ARRAY(SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE 
 UPDATE {outbox} AS o
 SET attempts = greatest(least(o.attempts, 2147483646), 0) + 1,
     last_error = %(errors)s::jsonb ->> o.id::text,
-    available_at = now() + make_interval(secs =>
+    available_at = now() + pg_catalog.make_interval(secs =>
         least(%(max_delay)s::float8,
-              %(base_delay)s::float8 * power(2, least(greatest(o.attempts, 0), 60)))
+              %(base_delay)s::float8 * pg_catalog.power(2, least(greatest(o.attempts, 0), 60)))
         * (0.75 + random() / 2))
 WHERE o.id = ANY(ARRAY(SELECT id FROM {outbox} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED));
 
@@ -310,6 +323,47 @@ FROM {outbox};
 -- dead-letter key index.
 SELECT count(DISTINCT ordering_key) FROM {dead_letter} WHERE ordering_key IS NOT NULL;
 
+-- name: outbox_schema
+-- Where an unqualified outbox table is, under the session's own search_path (the role's or
+-- the database's setting, or options in the URL): its schema, or, before `migrate` created it,
+-- the schema it would be created in. It runs before search_path is pinned (next statement),
+-- so every name in it is qualified, its operators too.
+SELECT coalesce((SELECT n.nspname::pg_catalog.text
+                 FROM pg_catalog.pg_class AS c
+                 JOIN pg_catalog.pg_namespace AS n
+                   ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+                 WHERE c.oid OPERATOR(pg_catalog.=)
+                       pg_catalog.to_regclass(%(outbox)s::pg_catalog.text)),
+                pg_catalog.current_schema()::pg_catalog.text) AS schema;
+
+-- name: pin_search_path
+-- Every session of both programs resolves functions, operators and types in pg_catalog alone
+-- (pg_temp, listed last, holds no function this session did not create); tables are named
+-- with their schema. No role but a superuser can create in pg_catalog (create_check).
+SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+
+-- name: create_check
+-- Who may CREATE in pg_catalog (the sessions' pinned search_path) and in the outbox's schema
+-- (not on the programs' path, but on their neighbours': producers, services, psql), besides
+-- those trusted anyway: superusers, this session's role, and members of the schema's owner or
+-- of the outbox table's owner (who may change the table itself). PUBLIC's grant is
+-- public_create (every role then has it: the list is left to that flag).
+SELECT n.nspname AS schema,
+       EXISTS (SELECT FROM aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) AS a
+               WHERE a.grantee = 0 AND a.privilege_type = 'CREATE') AS public_create,
+       ARRAY(SELECT r.rolname::text
+             FROM pg_roles AS r
+             WHERE has_schema_privilege(r.oid, n.oid, 'CREATE')
+               AND NOT r.rolsuper AND r.rolname <> current_user
+               AND NOT pg_has_role(r.oid, n.nspowner, 'MEMBER')
+               AND NOT coalesce(pg_has_role(r.oid, (SELECT relowner FROM pg_class
+                                                    WHERE oid = to_regclass(%(outbox)s)),
+                                            'MEMBER'), false)
+             ORDER BY r.rolname) AS roles
+FROM pg_namespace AS n
+WHERE n.nspname IN ('pg_catalog', %(schema)s)
+ORDER BY n.nspname <> 'pg_catalog';
+
 -- name: server_check
 SELECT current_setting('max_prepared_transactions')::int AS max_prepared_transactions,
        to_regclass(%(outbox)s) IS NOT NULL AS has_outbox,
@@ -332,16 +386,16 @@ SELECT to_regclass(%(key_index)s) IS NOT NULL AND to_regclass(%(dead_letter_key_
 -- (benchmarks/NOTEBOOK.md). Taken and released around the claim statement in one
 -- pipeline (store.py), so it is never held while the server waits on a relay; the claims
 -- themselves are milliseconds, the batches (prepare, publish, commit) still overlap.
-SELECT pg_advisory_lock(%(key)s);
+SELECT pg_catalog.pg_advisory_lock(%(key)s);
 
 -- name: claim_unlock
-SELECT pg_advisory_unlock(%(key)s);
+SELECT pg_catalog.pg_advisory_unlock(%(key)s);
 
 -- name: try_instance_lock
-SELECT pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
+SELECT pg_catalog.pg_try_advisory_lock(%(class)s, %(instance)s) AS locked;
 
 -- name: instance_unlock
-SELECT pg_advisory_unlock(%(class)s, %(instance)s);
+SELECT pg_catalog.pg_advisory_unlock(%(class)s, %(instance)s);
 
 -- name: watch
 -- The resolver's watch, every OUTBOX_RESOLVER_WATCH_INTERVAL between its scans: this

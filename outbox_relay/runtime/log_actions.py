@@ -40,6 +40,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "check its `max_prepared_transactions` (a standby below the primary's stops the start)",
     ),
     LogAction(
+        ("schema_create_open",), "WARNING", "both",
+        "",
+        "start-up, once per process: `PUBLIC` or a role other than the table's and the "
+        "schema's owners may `CREATE` in the outbox's schema (PostgreSQL 13 and 14 grant it on "
+        "`public`); the programs pin their `search_path` and are not affected, your services "
+        "and psql sessions are (docs/operations.md, roles and grants)",
+    ),
+    LogAction(
         ("connected", "reconnected"), "INFO", "both",
         "`server` (`postgresql`, `rabbitmq`)",
         "first connection; a connection back after a loss",

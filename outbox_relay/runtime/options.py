@@ -297,8 +297,9 @@ STATS_INTERVAL = Option(
     doc="its cost: [operations.md](operations.md#what-the-backlog-and-lag-query-costs)",
 )
 METRICS_HOST = Option(
-    "metrics_host", "OUTBOX_METRICS_HOST", str, "0.0.0.0",  # noqa: S104
-    "address of the /metrics, /healthz and /readyz endpoints",
+    "metrics_host", "OUTBOX_METRICS_HOST", str, "127.0.0.1",
+    "address of the /metrics, /healthz and /readyz endpoints (loopback unless set: 0.0.0.0, or "
+    "the pod's address, for a Prometheus or a probe from elsewhere; the image sets 0.0.0.0)",
 )
 METRICS_PORT_HELP = (
     "port of /metrics, /healthz and /readyz (0 disables all three; a port in use is a "

@@ -6,10 +6,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from devenv import checker
+from devenv import checker, launch
 from outbox_relay.relay.faults import CRASH_POINTS
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -65,3 +66,22 @@ def test_sigkill_at_each_step(env: Env, crash_at: str, keys: int) -> None:
     report = env.drain_and_check(produced, early=early)
     bound = BATCH if crash_at in MAY_DUPLICATE else 0
     assert report.ok(max_duplicates=bound), report.summary()
+
+
+def test_the_installed_relay_ignores_crash_point_variables(env: Env, tmp_path: Path) -> None:
+    """`outbox-relay run` as a deployment runs it (not through the tests' launcher), with a
+    crash point set that would kill it at its first claim: it relays everything and lives."""
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 200, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    with open(tmp_path / "relay.log", "wb") as log:
+        relay = subprocess.Popen(
+            launch.command("relay"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=env.cli_env(OUTBOX_BATCH_SIZE=str(BATCH), OUTBOX_TEST_CRASH_AT="after_claim"))
+    env.processes.append(relay)
+    wait_until(lambda: outbox_count(env) == 0, 60, "the relay to empty the outbox")
+    assert relay.poll() is None, (tmp_path / "relay.log").read_text()
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(30) == 0
+    report = env.drain_and_check(produced)
+    assert report.ok(max_duplicates=0), report.summary()

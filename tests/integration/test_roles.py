@@ -241,8 +241,26 @@ def test_each_program_works_as_its_least_privileged_role(
                             "VALUES ('k', '{{}}', -1)").format(tables.outbox)),
         ("service", sql.SQL("INSERT INTO {} (id, routing_key, payload) OVERRIDING SYSTEM VALUE "
                             "VALUES (1, 'k', '{{}}')").format(tables.outbox)),
+        # The relay changes a row's attempts, available_at and last_error, nothing else ...
+        ("relay", sql.SQL("UPDATE {} SET payload = '{{}}'").format(tables.outbox)),
+        ("relay", sql.SQL("UPDATE {} SET ordering_key = 'k', routing_key = 'k'")
+         .format(tables.outbox)),
+        # ... and writes a dead letter's columns but its own id and time.
+        ("relay", sql.SQL("INSERT INTO {} (id, message_id, exchange, routing_key, headers, "
+                          "created_at, attempts, last_error) VALUES (1, 'm', '', 'k', '{{}}', "
+                          "now(), 1, 'e')").format(tables.dead_letter)),
+        ("relay", sql.SQL("UPDATE {} SET last_error = 'e'").format(tables.dead_letter)),
+        # The operator fixes a dead letter's message, never its identity or its record.
+        ("operator", sql.SQL("UPDATE {} SET outbox_id = 1").format(tables.dead_letter)),
+        ("operator", sql.SQL("UPDATE {} SET message_id = 'm'").format(tables.dead_letter)),
+        ("operator", sql.SQL("UPDATE {} SET attempts = 0, last_error = ''")
+         .format(tables.dead_letter)),
     ):
         assert refused(roles[kind], statement), f"{kind} may {statement.as_string(None)}"
+    with psycopg.connect(roles["operator"]) as operator:  # rolled back on exit
+        operator.execute(sql.SQL("UPDATE {} SET exchange = exchange, routing_key = routing_key, "
+                                 "payload = payload, headers = headers").format(
+                                     tables.dead_letter))
 
 
 def test_roles_sql_refuses_to_run_before_migrate(renv: Env) -> None:
@@ -254,3 +272,61 @@ def test_roles_sql_refuses_to_run_before_migrate(renv: Env) -> None:
         row = admin.execute("SELECT count(*) FROM pg_roles WHERE starts_with(rolname, %s)",
                             (f"r{renv.gid_prefix}_",)).fetchone()
     assert row == (0,)
+
+
+def public_may_create(url: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT EXISTS (SELECT FROM pg_namespace AS n, aclexplode(n.nspacl) AS a"
+                           " WHERE n.nspname = 'public' AND a.grantee = 0"
+                           " AND a.privilege_type = 'CREATE')").fetchone()
+    return bool(row and row[0])
+
+
+def test_roles_sql_takes_back_what_it_does_not_grant(renv: Env, roles: dict[str, str]) -> None:
+    """A run after an upgrade: the relay's table-wide UPDATE of an older roles.sql and PUBLIC's
+    CREATE on public (PostgreSQL 13 and 14) are taken back; roles.sql itself, run as a
+    superuser, calls no function a producer planted in public."""
+    env, tables = renv, Tables(renv.table)
+    prefix = f"r{env.gid_prefix}"
+    apply = ["-v", f"table={env.table}", "-v", f"roles={prefix}", "-f", str(ROLES_SQL)]
+    with env.connect() as admin:
+        admin.execute(sql.SQL("GRANT UPDATE ON {} TO {}").format(
+            tables.outbox, sql.Identifier(f"{prefix}_relay")))
+        admin.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
+        admin.execute(sql.SQL("CREATE TABLE {} (who text)").format(sql.Identifier(f"{prefix}_hits")))
+        admin.execute(sql.SQL("GRANT INSERT ON {} TO PUBLIC").format(
+            sql.Identifier(f"{prefix}_hits")))
+    try:
+        with psycopg.connect(roles["service"], autocommit=True) as producer:
+            # A better match than pg_catalog's format(text, VARIADIC "any") for roles.sql's calls.
+            producer.execute(sql.SQL(
+                "CREATE FUNCTION public.format(text, text, text) RETURNS text LANGUAGE sql AS "
+                "$$ INSERT INTO public.{} VALUES (current_user); "
+                "SELECT pg_catalog.format($1, $2, $3) $$").format(sql.Identifier(f"{prefix}_hits")))
+        with env.connect() as admin:  # the look-alike is real: an unpinned session calls it
+            admin.execute("SELECT format('%I.%I', 'a'::text, 'b'::text)")
+            assert admin.execute(sql.SQL("DELETE FROM {} RETURNING 1").format(
+                sql.Identifier(f"{prefix}_hits"))).fetchall() == [(1,)]
+        assert not refused(roles["relay"], sql.SQL("UPDATE {} SET payload = '{{}}'").format(
+            tables.outbox))
+
+        kept = psql(env.db_url, "-v", "public_create=keep", *apply)
+        assert kept.returncode == 0, kept.stderr
+        assert refused(roles["relay"], sql.SQL("UPDATE {} SET payload = '{{}}'").format(
+            tables.outbox))
+        assert public_may_create(env.db_url)
+        wrong = psql(env.db_url, "-v", "public_create=maybe", *apply)
+        assert wrong.returncode != 0 and "public_create must be revoke or keep" in wrong.stderr
+
+        revoked = psql(env.db_url, *apply)
+        assert revoked.returncode == 0, revoked.stderr
+        assert not public_may_create(env.db_url)
+        with env.connect() as admin:
+            row = admin.execute(sql.SQL("SELECT count(*) FROM {}").format(
+                sql.Identifier(f"{prefix}_hits"))).fetchone()
+        assert row == (0,)
+    finally:
+        with env.connect() as admin:
+            admin.execute("DROP FUNCTION IF EXISTS public.format(text, text, text)")
+            admin.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(f"{prefix}_hits")))
+            admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")

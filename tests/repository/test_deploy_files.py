@@ -74,7 +74,7 @@ def _program(service: dict[str, Any]) -> tuple[str, argparse.Namespace, tuple[op
         seen: dict[str, argparse.Namespace] = {}
 
         def capture(name: str) -> Any:
-            def run(namespace: argparse.Namespace) -> int:
+            def run(namespace: argparse.Namespace, *_fault: Any) -> int:  # _run takes a hook
                 seen[name] = namespace
                 return 0
             return run
@@ -387,6 +387,9 @@ def test_prometheus_scrapes_the_configured_metrics_ports(services: dict[str, dic
         targets += [f"{n}:{d['port']}" for d in job.get("dns_sd_configs", []) for n in d["names"]]
         assert targets == [f"{service_name}:{port}"]
         assert str(port) in [str(p) for p in services[service_name].get("expose", [])]
+        # Prometheus is another container: the program listens on every address of its own
+        # (the program's default is loopback; the image sets it too, compose says so itself).
+        assert _settings(services[service_name])["metrics_host"] == "0.0.0.0"
 
 
 def test_prometheus_mounts_the_config(services: dict[str, dict[str, Any]]) -> None:
@@ -429,6 +432,14 @@ def test_dockerfile_runs_either_program() -> None:
     assert exposed == defaults == {9460, 9461}
     env = " ".join(rest for keyword, rest in stage if keyword == "ENV")
     assert "PYTHONUNBUFFERED=1" in env
+
+
+def test_the_programs_listen_on_loopback_unless_told_and_the_image_tells_them() -> None:
+    """Off a container, /metrics and the probes stay on the machine unless asked for; in one,
+    the scraper and the kubelet come from outside it, so the image listens on every address."""
+    assert options.METRICS_HOST.default == "127.0.0.1"
+    env = [rest for keyword, rest in _final_stage() if keyword == "ENV"]
+    assert "OUTBOX_METRICS_HOST=0.0.0.0" in " ".join(env).split()
 
 
 # -- Grafana ----------------------------------------------------------------------------------

@@ -133,6 +133,8 @@ def test_probes_use_the_health_endpoints_on_the_metrics_port() -> None:
         (port,) = container["ports"]
         assert port["name"] == "outbox-metrics"
         assert port["containerPort"] == int(env(container)["OUTBOX_METRICS_PORT"])
+        # The kubelet and Prometheus reach the pod's IP: not the program's loopback default.
+        assert env(container)["OUTBOX_METRICS_HOST"] == "0.0.0.0"
     resolver, _spec = ours()["outbox-resolver"]
     assert resolver["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "outbox-metrics"}
 

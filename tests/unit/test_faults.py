@@ -1,4 +1,5 @@
-"""Crash points: the relay kills itself at a named step only when the environment asks."""
+"""Crash points: a relay launched by the tests kills itself at a named step only when the
+environment asks; the installed relay reads no such setting at all."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from outbox_relay.relay.faults import CRASH_POINTS, crash_hook
+from devenv import crash_points, launch
+from devenv.crash_points import crash_hook
+from outbox_relay.relay import cli
+from outbox_relay.relay.faults import CRASH_POINTS, no_fault
+from tests.conftest import package_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +93,7 @@ def test_stall_sleeps_once_at_the_point_instead_of_dying(
     kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sleeps: list[float] = []
-    monkeypatch.setattr("outbox_relay.relay.faults.time.sleep", sleeps.append)
+    monkeypatch.setattr("devenv.crash_points.time.sleep", sleeps.append)
     hook = crash_hook({"OUTBOX_TEST_CRASH_AT": "after_publish", "OUTBOX_TEST_CRASH_AFTER": "1",
                        "OUTBOX_TEST_STALL_SECONDS": "2.5"})
 
@@ -98,3 +103,34 @@ def test_stall_sleeps_once_at_the_point_instead_of_dying(
 
     assert sleeps == [2.5]
     assert kills == []
+
+
+def test_the_installed_programs_read_no_crash_point_setting() -> None:
+    """A production deployment cannot switch a crash point on: no file of the wheel names the
+    variables (devenv/, where the hook lives, is not in it)."""
+    for path in package_sources():
+        assert "OUTBOX_TEST_" not in path.read_text("utf-8"), path
+
+
+def test_launch_runs_the_crash_point_relay_only_when_asked() -> None:
+    assert launch.command("relay", "migrate")[1:] == ["-m", "outbox_relay.relay", "migrate"]
+    assert launch.command("relay", crash_points=True)[1:] == ["-m", "devenv.crash_points"]
+    assert launch.command("resolver", crash_points=True)[1:] == ["-m", "outbox_relay.resolver"]
+    assert launch.wants_crash_points({"OUTBOX_TEST_CRASH_AT": "after_claim"})
+    assert not launch.wants_crash_points({"OUTBOX_TEST_CRASH_AT": "", "OUTBOX_TABLE": "x"})
+
+
+def test_the_crash_point_relay_runs_the_relays_cli_with_the_hook(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    given: list[object] = []
+    monkeypatch.setattr(cli, "main", lambda argv, *, fault: given.append((argv, fault)) or 0)
+    monkeypatch.delenv("OUTBOX_TEST_CRASH_AT", raising=False)
+    assert crash_points.main(["migrate"]) == 0
+    assert given == [(["migrate"], no_fault)]
+    monkeypatch.setenv("OUTBOX_TEST_CRASH_AT", "after_commit")
+    assert crash_points.main([]) == 0
+    assert given[-1][1] is not no_fault  # type: ignore[index]
+    monkeypatch.setenv("OUTBOX_TEST_CRASH_AT", "after_lunch")
+    assert crash_points.main([]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("outbox-relay: error: OUTBOX_TEST_CRASH_AT must be one of")

@@ -89,7 +89,8 @@ PANELS = [
             _legend("namespace", "job", "reason"))], unit="ops"),
     Panel("Failed rows by reason /s",
           "Rows of failed batches, each of which got an attempt: unroutable / exchange_not_found "
-          "/ nacked (the producers' data or the broker's topology), channel_closed (unconfirmed "
+          "(the producers' data or the broker's topology), nacked (a full queue with "
+          "reject-publish, or a quorum queue changing leader), channel_closed (unconfirmed "
           "when the broker closed the channel).",
           [(f"sum by ({BY}, reason) ({rate('outbox_relay_row_failures_total')})",
             _legend("namespace", "job", "reason"))], unit="ops"),

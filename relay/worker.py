@@ -48,6 +48,14 @@ log = logging.getLogger("relay")
 # apart from the network must not be retried forever, and retried alone it names itself.
 LOST_STREAK_LIMIT = 3
 
+# A nacked row is charged (counted toward OUTBOX_MAX_ATTEMPTS when nacked alone in its batch)
+# only if the broker confirmed some other message in the last NACK_EVIDENCE_SECONDS: a queue
+# then refused it (full, with x-overflow reject-publish; or unavailable while the rest of the
+# broker works). A broker that confirms nothing at all may be failing as a whole, and an outage
+# of any length must not run rows out of attempts: its nacks still count attempts and back
+# the rows off, but dead-letter none.
+NACK_EVIDENCE_SECONDS = 10.0
+
 # A claim made ahead that finds nothing while the batch in flight holds keyed rows was most
 # likely held back by key heads in flight (this batch's, or another relay's): it read up to three
 # batches of rows and found none it could take (sql/queries.sql, the look), and the next one
@@ -162,6 +170,7 @@ class Relay(Loop):
         self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
         self._batch_keyed = False  # the batch in flight has rows with an ordering key
         self._ahead_rows = settings.batch_size  # what the next claim ahead asks for
+        self._confirmed_at = float("-inf")  # when the broker last confirmed a message (monotonic)
 
     @property
     def instance_name(self) -> str:
@@ -249,6 +258,7 @@ class Relay(Loop):
                                          relay=self.instance_name)
             try:
                 self.publisher.record_batch(gid, record)
+                self._confirmed_at = time.monotonic()
                 committed = True
                 self._unfinished = Unfinished(gid, commit=True, size=len(rows))
             except LedgerMissing as exc:
@@ -278,21 +288,33 @@ class Relay(Loop):
         return len(rows)
 
     def _publish(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
-        """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed,
-        and none after a wave that is not. The next batch is claimed during the first wave.
-        Returns what the broker said, and the rows sent."""
+        """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed.
+        A key whose message the broker refused (returned, nacked) sends nothing more; the
+        other keys go on. After a closed channel or a lost connection nothing more is sent. The
+        next batch is claimed during the first wave. Returns what the broker said, and the rows
+        sent."""
         result = PublishResult()
         sent: list[int] = []
+        stopped: set[str] = set()  # keys with an unconfirmed message: their rest waits
         for i, wave in enumerate(waves(messages) or [[]]):
+            wave = [m for m in wave if m.ordering_key not in stopped]
+            if i and not wave:
+                break  # every later message belongs to a stopped key
             part = self.publisher.publish_batch(
                 wave, while_waiting=self._claim_ahead if i == 0 else None)
             sent.extend(m.row_id for m in wave if m.row_id not in part.held)
+            if part.confirmed:
+                self._confirmed_at = time.monotonic()
             result.confirmed |= part.confirmed
             result.failed.update(part.failed)
             result.suspect.update(part.suspect)
             result.transient = part.transient
-            if not part.complete(len(wave)):
-                break  # the rest of each key waits: the batch is rolled back
+            if part.complete(len(wave)):
+                continue
+            if part.transient is not None or not self.publisher.connected:
+                break  # the batch is rolled back; the rest of each key waits
+            stopped.update(m.ordering_key for m in wave
+                           if m.ordering_key is not None and m.row_id not in part.confirmed)
         return result, sent
 
     def _set_aside(self, invalid: list[tuple[OutboxRow, str]], failed_early: dict[int, Failure],
@@ -425,8 +447,13 @@ class Relay(Loop):
         """A failed batch was rolled back: forget what was delivered, count what failed."""
         failures = {**result.suspect, **result.failed}
         batch_size = len(published)
-        # A suspect alone in its batch is the culprit; otherwise it is only retried alone.
-        attributed = list(result.failed) + (list(result.suspect) if batch_size == 1 else [])
+        # A suspect alone in its batch is the culprit; otherwise it is only retried alone. A
+        # nacked one only while the broker confirms other messages (NACK_EVIDENCE_SECONDS).
+        attributed = list(result.failed)
+        if batch_size == 1:
+            confirming = time.monotonic() - self._confirmed_at <= NACK_EVIDENCE_SECONDS
+            attributed.extend(row_id for row_id, failure in result.suspect.items()
+                              if failure.reason is not Reason.NACKED or confirming)
         lost = self._lost(result, published)
         if lost:
             failures.update(lost)

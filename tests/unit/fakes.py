@@ -491,7 +491,6 @@ class FakePublisher(_Scripted):
         self.batches.append(list(messages))
         result = PublishResult()
         pending: set[int] = set()
-        nacked = 0
         stopped: Failure | None = None
         for message in messages:
             self.published.append(message)
@@ -500,7 +499,8 @@ class FakePublisher(_Scripted):
                 result.confirmed.add(message.row_id)
                 self.confirmed.append(message)
             elif outcome is Outcome.NACK:
-                nacked += 1  # as the real one: the batch fails, no row is blamed
+                # As the real one: a suspect; the channel is replaced, the batch goes on.
+                result.suspect[message.row_id] = Failure(Reason.NACKED, "nacked by the broker")
             elif outcome is Outcome.RETURN:
                 result.failed[message.row_id] = Failure(Reason.UNROUTABLE, (
                     f"unroutable: 312 NO_ROUTE (exchange {message.exchange!r}, "
@@ -517,7 +517,8 @@ class FakePublisher(_Scripted):
                 break
         if while_waiting is not None and stopped is None and result.transient is None:
             while_waiting()  # as the real one: every message written, confirms not awaited
-        unconfirmed = {m.row_id for m in messages} - result.confirmed - result.failed.keys()
+        unconfirmed = ({m.row_id for m in messages} - result.confirmed - result.failed.keys()
+                       - result.suspect.keys())
         if stopped is not None:
             result.suspect.update(dict.fromkeys(sorted(unconfirmed), stopped))
         elif pending and result.transient is None:
@@ -525,9 +526,6 @@ class FakePublisher(_Scripted):
                                        f"no confirm within {self.confirm_timeout:g} s",
                                        in_flight_lost=True)
             self._lose_connection()
-        if nacked and result.transient is None:
-            result.transient = Failure(Reason.NACKED, f"nacked by the broker ({nacked} messages)")
-            self._lose_connection()  # the real one reopens its connection after a nack
         self._raise(fault)
         return result
 

@@ -87,8 +87,10 @@ class RelayMetrics:
             "outbox_relay_connected", "1 while connected to the server", ["server"], registry=r)
         self.lag = Gauge(
             "outbox_relay_lag_seconds",
-            "Age of the oldest unpublished outbox row, as this relay sees it (every relay runs "
-            "the same table-wide query every OUTBOX_STATS_INTERVAL)", registry=r)
+            "How late the oldest unpublished outbox row is: its age since it was due (created_at, "
+            "or a producer's later available_at: a row delayed on purpose is not late before "
+            "its time), as this relay sees it (every relay runs the same table-wide query every "
+            "OUTBOX_STATS_INTERVAL)", registry=r)
         self.backlog = Gauge(
             "outbox_relay_backlog_events",
             "Rows waiting in the outbox, as this relay sees it (the same query)", registry=r)

@@ -83,7 +83,8 @@ class Store(Protocol):
     def settle_failed(self, delivered: Sequence[int], failures: Mapping[int, str],
                       attributed: Sequence[int], *, max_attempts: int, base_delay: float,
                       max_delay: float) -> list[int]: ...
-    def stats(self) -> tuple[int, float]: ...
+    def stats(self) -> tuple[int, float, int]: ...
+    def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]: ...
 
 
 class Publisher(Protocol):
@@ -601,6 +602,19 @@ class Relay(Loop):
         if now < self._next_stats:
             return
         self._next_stats = now + self.settings.stats_interval
-        backlog, lag = self.store.stats()
+        backlog, lag, never_due = self.store.stats()
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
+        if never_due:
+            self._dead_letter_never_due()
+
+    def _dead_letter_never_due(self) -> None:
+        """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved
+        to the dead-letter table, where they are seen (a keyed one would otherwise hold its key
+        forever, unseen) and `dead-letter requeue` makes them due now."""
+        moved = self.store.dead_letter_never_due(self.settings.batch_size)
+        self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(moved))
+        for row_id, message_id, reason in moved:
+            log.warning("row dead-lettered: %s", reason, extra={
+                "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
+                "row_id": row_id, "message_id": message_id})

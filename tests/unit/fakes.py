@@ -373,10 +373,30 @@ class FakeStore(_Scripted):
         self._raise(fault)
         return dead
 
-    def stats(self) -> tuple[int, float]:
+    def stats(self) -> tuple[int, float, int]:
         fault = self._enter("stats", "stats")
         self._raise(fault)
-        return len(self.rows) + len(self.locked_ids()), self.lag
+        never_due = sum(1 for r in self.rows.values() if r.available_at == float("inf"))
+        return len(self.rows) + len(self.locked_ids()), self.lag, never_due
+
+    def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]:
+        """Rows with ``available_at`` infinite (a key's oldest only), as the real query."""
+        fault = self._enter("dead_letter_never_due", "dead_letter_never_due", limit=limit)
+        moved = []
+        for row in sorted(self.rows.values(), key=lambda r: r.id):
+            if len(moved) >= limit or row.available_at != float("inf"):
+                continue
+            if row.ordering_key is not None and any(
+                    other.ordering_key == row.ordering_key and other.id < row.id
+                    for other in [*self.rows.values(),
+                                  *(r for t in self.prepared.values() for r in t.claimed.values())]):
+                continue
+            reason = "available_at 'infinity' is never due (a date before the year 10000 is required)"
+            del self.rows[row.id]
+            self.dead_letter[row.id] = DeadRow(row, reason, row.attempts + 1, "invalid")
+            moved.append((row.id, row.message_id, reason))
+        self._raise(fault)
+        return moved
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -104,6 +104,12 @@ PANELS = [
           "published until it is requeued or deleted. Any is OutboxKeysBlocked's level (for 5 min).",
           [(f"max by ({BY}) ({m('outbox_blocked_keys')})", _legend("namespace", "job"))],
           threshold=1),
+    Panel("Waiting for a standby",
+          "1 while a relay publishes nothing because the standby OUTBOX_STANDBY_WAIT names did "
+          "not flush its batches in time (after a failover: no standby yet); 0 otherwise. Any "
+          "is OutboxWaitingForStandby's level (for 1 min).",
+          [(f"max by ({BY}) ({m('outbox_relay_waiting_for_standby')})",
+            _legend("namespace", "job"))], threshold=1),
     Panel("Reconnects (1 h)", "Reconnections to postgresql / rabbitmq.",
           [(f"sum by ({BY}, server) (increase({m('outbox_relay_reconnects_total')}[1h]))",
             _legend("namespace", "job", "server"))]),

@@ -94,6 +94,16 @@ class RelayMetrics:
         self.backlog = Gauge(
             "outbox_relay_backlog_events",
             "Rows waiting in the outbox, as this relay sees it (the same query)", registry=r)
+        self.waiting_for_standby = Gauge(
+            "outbox_relay_waiting_for_standby",
+            "1 while this relay publishes nothing because the standby OUTBOX_STANDBY_WAIT names "
+            "did not flush its last batch's claim within OUTBOX_STANDBY_WAIT_TIMEOUT (after a "
+            "failover: no standby yet); 0 once a batch passed the wait, the outbox is empty, or "
+            "the wait is off", registry=r)
+        self.standby_wait_timeouts = Counter(
+            "outbox_relay_standby_wait_timeouts_total",
+            "Batches rolled back, nothing published, because the standby did not flush their "
+            "claim within OUTBOX_STANDBY_WAIT_TIMEOUT", registry=r)
         self.last_loop = Gauge(
             "outbox_relay_last_loop_timestamp_seconds", "When the relay loop last turned",
             registry=r)

@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox_relay.errors import StartupCheckError, TransientError
+from outbox_relay.errors import StandbyWaitTimeout, StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
     check_server,
@@ -300,7 +300,7 @@ class OutboxStore:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         finish_prepared(self.conn, gid, commit=False)
-        raise TransientError(
+        raise StandbyWaitTimeout(
             f"standby {self._standby_wait!r} did not flush past the claim within "
             f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
 

@@ -16,6 +16,7 @@ from outbox_relay.errors import (
     ConnectionLost,
     DatabaseError,
     LedgerMissing,
+    StandbyWaitTimeout,
     TransientError,
     describe,
 )
@@ -103,11 +104,14 @@ class Publisher(Protocol):
 
 def relay_health(settings: RelaySettings) -> Health:
     """Readiness: both servers connected (PostgreSQL: 2PC on, schema present, as checked on
-    connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least)."""
+    connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least):
+    a batch waits for its standby (OUTBOX_STANDBY_WAIT), then its confirms and ledger record's."""
+    standby = settings.standby_wait_timeout if settings.standby_wait else 0.0
     return Health(
         tuple(Server),
-        stall_after=stall_threshold(2 * settings.confirm_timeout, settings.connect_timeout,
-                                    settings.reconnect_max_delay, settings.poll_max_interval))
+        stall_after=stall_threshold(standby + 2 * settings.confirm_timeout,
+                                    settings.connect_timeout, settings.reconnect_max_delay,
+                                    settings.poll_max_interval))
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ class Relay(Loop):
         self._batch_keyed = False  # the batch in flight has rows with an ordering key
         self._ahead_rows = settings.batch_size  # what the next claim ahead asks for
         self._confirmed_at = float("-inf")  # when the broker last confirmed a message (monotonic)
+        self._standby_waiting = False  # the last batch timed out waiting for the standby
 
     @property
     def instance_name(self) -> str:
@@ -202,6 +207,8 @@ class Relay(Loop):
             rows = self._claim(s.batch_max_bytes)
         if not rows:
             self.store.rollback()
+            self._standby_waiting = False  # nothing waits
+            self.metrics.waiting_for_standby.set(0)
             return 0
         self.fault("after_claim")
         # Rows too big to fetch were moved to the dead-letter table by the claim itself.
@@ -242,7 +249,11 @@ class Relay(Loop):
         except Exception as exc:
             if not isinstance(exc, ConnectionLost):
                 self._unfinished = None  # refused (e.g. out of slots): certainly not prepared
+            if isinstance(exc, StandbyWaitTimeout):
+                self._waiting_for_standby(exc)  # rolled back by the store: nothing published
             raise
+        if s.standby_wait:
+            self._standby_caught_up()
         self.fault("after_prepare")
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
@@ -384,6 +395,24 @@ class Relay(Loop):
         s = self.settings
         return self.store.claim(limit or s.batch_size, max_bytes,
                                 max_message_bytes=s.max_message_bytes)
+
+    def _waiting_for_standby(self, exc: StandbyWaitTimeout) -> None:
+        """OUTBOX_STANDBY_WAIT's standby did not flush this batch's claim in time: nothing is
+        published until it does (after a failover, until a standby is attached). A named state:
+        a gauge, a counter, one WARNING when it starts (OutboxWaitingForStandby)."""
+        self.metrics.standby_wait_timeouts.inc()
+        if not self._standby_waiting:
+            log.warning("waiting for a standby, publishing nothing: %s", exc,
+                        extra={"action": "standby_wait_timeout"})
+        self._standby_waiting = True
+        self.metrics.waiting_for_standby.set(1)
+
+    def _standby_caught_up(self) -> None:
+        if self._standby_waiting:
+            log.info("the standby flushed a batch's claim: publishing again",
+                     extra={"action": "standby_caught_up"})
+        self._standby_waiting = False
+        self.metrics.waiting_for_standby.set(0)
 
     def _ledger_missing(self, exc: LedgerMissing) -> None:
         """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it

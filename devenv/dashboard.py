@@ -55,7 +55,8 @@ PANELS = [
           [(f"sum by ({BY}) ({rate('outbox_relay_events_published_total')})",
             _legend("namespace", "job"))], unit="ops"),
     Panel("Lag (oldest unpublished event)",
-          "Age of the oldest outbox row not yet published, as the relays see it and as the "
+          "How late the oldest outbox row not yet published is (its age since it was due: "
+          "created_at, or a producer's later available_at), as the relays see it and as the "
           f"resolver does (one query per database). Rising: relays slow, failing or down. The "
           f"red line is OutboxLagHigh's level ({LAG_ALERT} s, for 2 min).",
           [(f"max by ({BY}) ({m('outbox_relay_lag_seconds')})", _legend("namespace", "job")),

@@ -55,7 +55,8 @@ PANELS = [
           [(f"sum by ({BY}) ({rate('outbox_relay_events_published_total')})",
             _legend("namespace", "job"))], unit="ops"),
     Panel("Lag (oldest unpublished event)",
-          "Age of the oldest outbox row not yet published, as the relays see it and as the "
+          "How late the oldest outbox row not yet published is (its age since it was due: "
+          "created_at, or a producer's later available_at), as the relays see it and as the "
           f"resolver does (one query per database). Rising: relays slow, failing or down. The "
           f"red line is OutboxLagHigh's level ({LAG_ALERT} s, for 2 min).",
           [(f"max by ({BY}) ({m('outbox_relay_lag_seconds')})", _legend("namespace", "job")),
@@ -89,7 +90,8 @@ PANELS = [
             _legend("namespace", "job", "reason"))], unit="ops"),
     Panel("Failed rows by reason /s",
           "Rows of failed batches, each of which got an attempt: unroutable / exchange_not_found "
-          "/ nacked (the producers' data or the broker's topology), channel_closed (unconfirmed "
+          "(the producers' data or the broker's topology), nacked (a full queue with "
+          "reject-publish, or a quorum queue changing leader), channel_closed (unconfirmed "
           "when the broker closed the channel).",
           [(f"sum by ({BY}, reason) ({rate('outbox_relay_row_failures_total')})",
             _legend("namespace", "job", "reason"))], unit="ops"),
@@ -103,6 +105,12 @@ PANELS = [
           "published until it is requeued or deleted. Any is OutboxKeysBlocked's level (for 5 min).",
           [(f"max by ({BY}) ({m('outbox_blocked_keys')})", _legend("namespace", "job"))],
           threshold=1),
+    Panel("Waiting for a standby",
+          "1 while a relay publishes nothing because the standby OUTBOX_STANDBY_WAIT names did "
+          "not flush its batches in time (after a failover: no standby yet); 0 otherwise. Any "
+          "is OutboxWaitingForStandby's level (for 1 min).",
+          [(f"max by ({BY}) ({m('outbox_relay_waiting_for_standby')})",
+            _legend("namespace", "job"))], threshold=1),
     Panel("Reconnects (1 h)", "Reconnections to postgresql / rabbitmq.",
           [(f"sum by ({BY}, server) (increase({m('outbox_relay_reconnects_total')}[1h]))",
             _legend("namespace", "job", "server"))]),

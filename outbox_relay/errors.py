@@ -19,6 +19,11 @@ class TransientError(OutboxError):
     """A connection-level fault: reconnect with backoff and try again."""
 
 
+class StandbyWaitTimeout(TransientError):
+    """OUTBOX_STANDBY_WAIT: the standby did not flush past a batch's claim in time; the batch
+    was rolled back before anything was published."""
+
+
 class DatabaseError(OutboxError):
     """PostgreSQL refused a statement (the store translates the driver's errors into these);
     ``sqlstate`` is its SQLSTATE, None when the client raised it."""

@@ -282,11 +282,12 @@ def read_ledger_key(conn: psycopg.Connection[Any], tables: Tables) -> tuple[byte
     return bytes(row[0]), str(row[1])
 
 
-def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float]:
-    """(backlog rows, lag seconds) of the whole outbox table, for the metrics."""
+def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float, int]:
+    """(backlog rows, lag seconds, rows never due) of the whole outbox table (sql/queries.sql,
+    stats)."""
     row = conn.execute(tables.query("stats")).fetchone()
     assert row is not None
-    return int(row[0]), float(row[1])
+    return int(row[0]), float(row[1]), int(row[2])
 
 
 def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) -> bool:

@@ -30,6 +30,7 @@ from outbox_relay.rules import (
     DEFAULT_LEDGER_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
     RELAY_HEADERS,
+    available_at_problem,
     message_headers,
     publish_problem,
 )
@@ -158,6 +159,8 @@ def _row(event: Event, max_message_bytes: int) -> _Row:
             not isinstance(available_at, datetime) or available_at.utcoffset() is None):
         raise InvalidEvent("available_at", "must be a timezone-aware datetime or None "
                                            "(a naive one would be read in the session's TimeZone)")
+    if available_at is not None and (never := available_at_problem(available_at)) is not None:
+        raise InvalidEvent(never.field, never.reason)
     payload: str | None = None
     payload_bytes: bytes | None = None
     if isinstance(event.payload, (bytes, bytearray, memoryview)):

@@ -129,6 +129,21 @@ def timestamp_problem(created_at: float, shown: Any) -> Problem | None:
     return None
 
 
+# A row whose available_at is in the year 10000 or later ('infinity' included) is never due:
+# never published, and with an ordering key it would hold every later row of its key forever.
+# The relay moves such rows to the dead-letter table (sql/queries.sql, dead_letter_never_due);
+# the producer API refuses them.
+
+
+def available_at_problem(available_at: datetime) -> Problem | None:
+    """An aware ``available_at`` the relay would dead-letter as never due (a Python datetime
+    reaches the year 10000 only in UTC, from 9999-12-31 with a negative offset)."""
+    if available_at.timestamp() >= TIMESTAMP_END:
+        return Problem("available_at", f"available_at {available_at.isoformat()} is never due "
+                                       "(a date before the year 10000 is required)")
+    return None
+
+
 def _epoch(created_at: float | datetime) -> float:
     if isinstance(created_at, datetime):
         if created_at.tzinfo is None:

@@ -87,11 +87,23 @@ class RelayMetrics:
             "outbox_relay_connected", "1 while connected to the server", ["server"], registry=r)
         self.lag = Gauge(
             "outbox_relay_lag_seconds",
-            "Age of the oldest unpublished outbox row, as this relay sees it (every relay runs "
-            "the same table-wide query every OUTBOX_STATS_INTERVAL)", registry=r)
+            "How late the oldest unpublished outbox row is: its age since it was due (created_at, "
+            "or a producer's later available_at: a row delayed on purpose is not late before "
+            "its time), as this relay sees it (every relay runs the same table-wide query every "
+            "OUTBOX_STATS_INTERVAL)", registry=r)
         self.backlog = Gauge(
             "outbox_relay_backlog_events",
             "Rows waiting in the outbox, as this relay sees it (the same query)", registry=r)
+        self.waiting_for_standby = Gauge(
+            "outbox_relay_waiting_for_standby",
+            "1 while this relay publishes nothing because the standby OUTBOX_STANDBY_WAIT names "
+            "did not flush its last batch's claim within OUTBOX_STANDBY_WAIT_TIMEOUT (after a "
+            "failover: no standby yet); 0 once a batch passed the wait, the outbox is empty, or "
+            "the wait is off", registry=r)
+        self.standby_wait_timeouts = Counter(
+            "outbox_relay_standby_wait_timeouts_total",
+            "Batches rolled back, nothing published, because the standby did not flush their "
+            "claim within OUTBOX_STANDBY_WAIT_TIMEOUT", registry=r)
         self.last_loop = Gauge(
             "outbox_relay_last_loop_timestamp_seconds", "When the relay loop last turned",
             registry=r)

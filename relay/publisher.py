@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,13 +33,13 @@ DEFAULT_FRAME_MAX = 131072
 # frame_max, a malformed one), not a shutdown (320) or its own failure (541): the messages in
 # flight are suspects, like those of a closed channel, and an attempt is counted for them.
 REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
-# A nack is the broker's failure, not the row's (a quorum queue without a majority, a queue
-# process that crashed): the batch is rolled back without counting an attempt for its rows,
-# the connection is reopened (what the broker does after a nack is not to be trusted further),
-# and the next connection waits NACK_BACKOFF_BASE seconds, doubling with each nacked batch in a
-# row up to NACK_BACKOFF_MAX: batch backoff instead of rows running out of attempts.
-NACK_BACKOFF_BASE = 0.5
-NACK_BACKOFF_MAX = 30.0
+# A nack names the message a queue refused: a queue with x-overflow reject-publish that is
+# full, or a quorum queue around a change of leader. The nacked rows are suspects (the relay
+# decides what they cost: relay/worker.py, _settle); the others of the batch are confirmed as
+# usual. The channel is then replaced by a new one: RabbitMQ 3.10 nacked every message on a
+# channel opened right after a quorum queue's leader died, and a new channel worked once the
+# new leader was known (docs/reliability.md).
+NACKED = "nacked by the broker"
 
 
 class AmqpPublisher:
@@ -76,8 +75,6 @@ class AmqpPublisher:
         self._closed_reason: Failure | None = None
         self._closed_code: int | None = None
         self._nacked = 0  # messages of the current batch the broker nacked
-        self._nack_streak = 0  # batches in a row with a nack
-        self._hold_until = 0.0  # no new connection before this (monotonic), after a nack
 
     # -- connection -------------------------------------------------------------------------
 
@@ -92,37 +89,41 @@ class AmqpPublisher:
 
     def connect(self) -> None:
         self.close()
-        wait = self._hold_until - time.monotonic()
-        if wait > 0:
-            raise TransientError(f"holding off {wait:.1f} s after the broker nacked a batch "
-                                 f"({self._nack_streak} in a row)")
         self._conn = rabbitmq.connect(self._url, timeout=self._connect_timeout, name=self.name)
         try:
             rabbitmq.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age,
                                 replicas=rabbitmq.ledger_replicas(self._url),
                                 reopen=self._conn.channel)
-            blocking = self._conn.channel()
-            self._channel = pika_private.async_channel(blocking)  # the async core: many confirms in flight
-            selected: list[bool] = []
-            self._channel.confirm_delivery(
-                ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
-            )
-            self._channel.add_on_return_callback(self._on_return)
-            self._channel.add_on_close_callback(self._on_channel_closed)
-            self._pump_until(lambda: bool(selected), self._connect_timeout)
-            if not selected:
-                raise TransientError("RabbitMQ did not enable publisher confirms in time")
+            self._open_channel()
         except rabbitmq.CONNECTION_ERRORS as exc:
             self.close()
             raise TransientError(f"RabbitMQ connection lost during setup: {exc!r}") from exc
         except BaseException:
             self.close()
             raise
+        # The programs log "rabbitmq connected/reconnected" themselves (action connected).
+        log.debug("connected to RabbitMQ", extra={"action": "amqp_connected"})
+
+    def _open_channel(self) -> None:
+        """A new confirm-mode channel on the connection, replacing the one there was."""
+        old, self._channel = self._channel, None
+        if old is not None and old.is_open:
+            old.close()  # its close callback ignores a channel that is no longer ours
+        blocking = self._conn.channel()
+        channel = pika_private.async_channel(blocking)  # the async core: many confirms in flight
+        selected: list[bool] = []
+        channel.confirm_delivery(
+            ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
+        )
+        channel.add_on_return_callback(self._on_return)
+        channel.add_on_close_callback(self._on_channel_closed)
+        self._channel = channel
+        self._pump_until(lambda: bool(selected), self._connect_timeout)
+        if not selected:
+            raise TransientError("RabbitMQ did not enable publisher confirms in time")
         self._next_tag = 1
         self._closed_reason = None
         self._closed_code = None
-        # The programs log "rabbitmq connected/reconnected" themselves (action connected).
-        log.debug("connected to RabbitMQ", extra={"action": "amqp_connected"})
 
     def close(self, *, handshake: bool = True) -> None:
         """Close the connection, waiting at most CLOSE_TIMEOUT for the broker's answer (none
@@ -213,23 +214,24 @@ class AmqpPublisher:
                 self._result.transient = _lost(f"RabbitMQ connection lost: {exc!r}")
         except rabbitmq.CONNECTION_ERRORS as exc:
             self._result.transient = _lost(f"RabbitMQ connection lost: {type(exc).__name__}")
-        if self._nacked:
-            self._after_nack()
-        elif self._result.confirmed and not self._result.failed and self._result.transient is None:
-            self._nack_streak = 0
         self._settle_unconfirmed()
+        if self._nacked and self._result.transient is None and self._closed_reason is None:
+            self._replace_channel()
         return self._result
 
-    def _after_nack(self) -> None:
-        """The broker nacked messages of this batch: fail the batch (no row's fault), reopen
-        the connection, and hold the next one off (see NACK_BACKOFF_BASE)."""
-        if self._result.transient is None:
-            self._result.transient = Failure(
-                Reason.NACKED, f"nacked by the broker ({self._nacked} messages)")
-        self._nack_streak += 1
-        hold = min(NACK_BACKOFF_BASE * 2 ** min(self._nack_streak - 1, 16), NACK_BACKOFF_MAX)
-        self._hold_until = time.monotonic() + hold * random.uniform(0.5, 1.0)
-        self.close()
+    def _replace_channel(self) -> None:
+        """After a nack: go on with a new channel (see NACKED), or drop the connection (the
+        loop reconnects) if even that fails."""
+        try:
+            self._open_channel()
+        except rabbitmq.CONNECTION_ERRORS as exc:
+            self._no_channel(exc)
+        except TransientError as exc:
+            self._no_channel(exc)
+
+    def _no_channel(self, exc: BaseException) -> None:
+        log.debug("no new channel after a nack: %s", exc, extra={"action": "connection_fault"})
+        self.close(handshake=False)
 
     def _publish_all(self, messages: Sequence[Message]) -> None:
         if self._closed_reason is not None:
@@ -271,7 +273,7 @@ class AmqpPublisher:
     def _settle_unconfirmed(self) -> None:
         """Rows still pending are suspect (channel closed by the broker) or unknown (transient)."""
         unconfirmed = set(self._by_message_id.values()) - self._result.confirmed
-        unconfirmed -= self._result.failed.keys() | self._result.held
+        unconfirmed -= self._result.failed.keys() | self._result.suspect.keys() | self._result.held
         if self._closed_reason is not None and self._result.transient is None:
             for row_id in unconfirmed:
                 self._result.suspect[row_id] = self._closed_reason
@@ -319,7 +321,9 @@ class AmqpPublisher:
         for tag in tags:
             row_id = self._pending.pop(tag)
             if nacked:
-                self._nacked += 1  # the batch fails; the row is not blamed (_after_nack)
+                self._nacked += 1
+                if row_id not in self._result.failed:
+                    self._result.suspect[row_id] = Failure(Reason.NACKED, NACKED)
             elif row_id not in self._result.failed:
                 self._result.confirmed.add(row_id)
 
@@ -330,7 +334,9 @@ class AmqpPublisher:
                 f"unroutable: {method.reply_code} {method.reply_text} "
                 f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"))
 
-    def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
+    def _on_channel_closed(self, channel: Any, reason: Exception) -> None:
+        if channel is not self._channel:
+            return  # a channel replaced after a nack (_replace_channel)
         self._closed_reason = Failure(Reason.CHANNEL_CLOSED,
                                       f"channel closed by the broker: {reason}")
         if isinstance(reason, pika.exceptions.ChannelClosedByBroker):

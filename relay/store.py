@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox_relay.errors import StartupCheckError, TransientError
+from outbox_relay.errors import StandbyWaitTimeout, StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
     check_create,
@@ -312,7 +312,7 @@ class OutboxStore:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         finish_prepared(self.conn, gid, commit=False)
-        raise TransientError(
+        raise StandbyWaitTimeout(
             f"standby {self._standby_wait!r} did not flush past the claim within "
             f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
 
@@ -371,6 +371,15 @@ class OutboxStore:
             return [row[0] for row in cur.fetchall()]
 
     @translated
-    def stats(self) -> tuple[int, float]:
-        """(backlog rows, lag seconds) for the metrics."""
+    def stats(self) -> tuple[int, float, int]:
+        """(backlog rows, lag seconds, rows never due) for the metrics and the sweep below."""
         return outbox_stats(self.conn, self.tables)
+
+    @translated
+    def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]:
+        """Move up to ``limit`` rows that are never due (available_at in the year 10000 or
+        later) to the dead-letter table; a key's oldest row only. Returns (id, message_id,
+        reason) of each row moved."""
+        rows = self.conn.execute(self.tables.query("dead_letter_never_due"),
+                                 {"limit": limit}).fetchall()
+        return [(int(r[0]), str(r[1]), str(r[2])) for r in rows]

@@ -9,7 +9,9 @@ batch waits for its confirms can nack some of its messages and confirm later one
 leader is back: RabbitMQ 3.10 did so in the suite's cluster chaos run (30 events nacked, the
 next event of each of their keys confirmed and consumed before them). So a key has
 one message unconfirmed at a time: a key's n-th message of the batch goes in wave n, and the
-next wave is published only once every message of this one is confirmed. A batch in which no
+next wave is published only once every message of this one is answered; a key whose message was
+not confirmed (returned, nacked) sends no more (relay/worker.py, _publish), while the other keys
+go on. A batch in which no
 key repeats is one wave: full speed, whatever the number of keys (10,000 keys and batches of
 2,000); with few keys a batch is as many waves as its busiest key has rows (docs/performance.md).
 (A message pika cannot encode is never sent: the publisher holds back the rest of its key.)

@@ -16,6 +16,7 @@ from outbox_relay.errors import (
     ConnectionLost,
     DatabaseError,
     LedgerMissing,
+    StandbyWaitTimeout,
     TransientError,
     describe,
 )
@@ -48,6 +49,14 @@ log = logging.getLogger("relay")
 # apart from the network must not be retried forever, and retried alone it names itself.
 LOST_STREAK_LIMIT = 3
 
+# A nacked row is charged (counted toward OUTBOX_MAX_ATTEMPTS when nacked alone in its batch)
+# only if the broker confirmed some other message in the last NACK_EVIDENCE_SECONDS: a queue
+# then refused it (full, with x-overflow reject-publish; or unavailable while the rest of the
+# broker works). A broker that confirms nothing at all may be failing as a whole, and an outage
+# of any length must not run rows out of attempts: its nacks still count attempts and back
+# the rows off, but dead-letter none.
+NACK_EVIDENCE_SECONDS = 10.0
+
 # A claim made ahead that finds nothing while the batch in flight holds keyed rows was most
 # likely held back by key heads in flight (this batch's, or another relay's): it read up to three
 # batches of rows and found none it could take (sql/queries.sql, the look), and the next one
@@ -75,7 +84,8 @@ class Store(Protocol):
     def settle_failed(self, delivered: Sequence[int], failures: Mapping[int, str],
                       attributed: Sequence[int], *, max_attempts: int, base_delay: float,
                       max_delay: float) -> list[int]: ...
-    def stats(self) -> tuple[int, float]: ...
+    def stats(self) -> tuple[int, float, int]: ...
+    def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]: ...
 
 
 class Publisher(Protocol):
@@ -94,11 +104,14 @@ class Publisher(Protocol):
 
 def relay_health(settings: RelaySettings) -> Health:
     """Readiness: both servers connected (PostgreSQL: 2PC on, schema present, as checked on
-    connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least)."""
+    connect). Liveness: the loop turned within 3x its longest legitimate wait (30 s at least):
+    a batch waits for its standby (OUTBOX_STANDBY_WAIT), then its confirms and ledger record's."""
+    standby = settings.standby_wait_timeout if settings.standby_wait else 0.0
     return Health(
         tuple(Server),
-        stall_after=stall_threshold(2 * settings.confirm_timeout, settings.connect_timeout,
-                                    settings.reconnect_max_delay, settings.poll_max_interval))
+        stall_after=stall_threshold(standby + 2 * settings.confirm_timeout,
+                                    settings.connect_timeout, settings.reconnect_max_delay,
+                                    settings.poll_max_interval))
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,8 @@ class Relay(Loop):
         self._batch_bytes = 0  # row data of the batch in flight (claimed ahead: the rest)
         self._batch_keyed = False  # the batch in flight has rows with an ordering key
         self._ahead_rows = settings.batch_size  # what the next claim ahead asks for
+        self._confirmed_at = float("-inf")  # when the broker last confirmed a message (monotonic)
+        self._standby_waiting = False  # the last batch timed out waiting for the standby
 
     @property
     def instance_name(self) -> str:
@@ -192,6 +207,8 @@ class Relay(Loop):
             rows = self._claim(s.batch_max_bytes)
         if not rows:
             self.store.rollback()
+            self._standby_waiting = False  # nothing waits
+            self.metrics.waiting_for_standby.set(0)
             return 0
         self.fault("after_claim")
         # Rows too big to fetch were moved to the dead-letter table by the claim itself.
@@ -232,7 +249,11 @@ class Relay(Loop):
         except Exception as exc:
             if not isinstance(exc, ConnectionLost):
                 self._unfinished = None  # refused (e.g. out of slots): certainly not prepared
+            if isinstance(exc, StandbyWaitTimeout):
+                self._waiting_for_standby(exc)  # rolled back by the store: nothing published
             raise
+        if s.standby_wait:
+            self._standby_caught_up()
         self.fault("after_prepare")
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
@@ -249,6 +270,7 @@ class Relay(Loop):
                                          relay=self.instance_name)
             try:
                 self.publisher.record_batch(gid, record)
+                self._confirmed_at = time.monotonic()
                 committed = True
                 self._unfinished = Unfinished(gid, commit=True, size=len(rows))
             except LedgerMissing as exc:
@@ -278,21 +300,33 @@ class Relay(Loop):
         return len(rows)
 
     def _publish(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
-        """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed,
-        and none after a wave that is not. The next batch is claimed during the first wave.
-        Returns what the broker said, and the rows sent."""
+        """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed.
+        A key whose message the broker refused (returned, nacked) sends nothing more; the
+        other keys go on. After a closed channel or a lost connection nothing more is sent. The
+        next batch is claimed during the first wave. Returns what the broker said, and the rows
+        sent."""
         result = PublishResult()
         sent: list[int] = []
+        stopped: set[str] = set()  # keys with an unconfirmed message: their rest waits
         for i, wave in enumerate(waves(messages) or [[]]):
+            wave = [m for m in wave if m.ordering_key not in stopped]
+            if i and not wave:
+                break  # every later message belongs to a stopped key
             part = self.publisher.publish_batch(
                 wave, while_waiting=self._claim_ahead if i == 0 else None)
             sent.extend(m.row_id for m in wave if m.row_id not in part.held)
+            if part.confirmed:
+                self._confirmed_at = time.monotonic()
             result.confirmed |= part.confirmed
             result.failed.update(part.failed)
             result.suspect.update(part.suspect)
             result.transient = part.transient
-            if not part.complete(len(wave)):
-                break  # the rest of each key waits: the batch is rolled back
+            if part.complete(len(wave)):
+                continue
+            if part.transient is not None or not self.publisher.connected:
+                break  # the batch is rolled back; the rest of each key waits
+            stopped.update(m.ordering_key for m in wave
+                           if m.ordering_key is not None and m.row_id not in part.confirmed)
         return result, sent
 
     def _set_aside(self, invalid: list[tuple[OutboxRow, str]], failed_early: dict[int, Failure],
@@ -362,6 +396,24 @@ class Relay(Loop):
         return self.store.claim(limit or s.batch_size, max_bytes,
                                 max_message_bytes=s.max_message_bytes)
 
+    def _waiting_for_standby(self, exc: StandbyWaitTimeout) -> None:
+        """OUTBOX_STANDBY_WAIT's standby did not flush this batch's claim in time: nothing is
+        published until it does (after a failover, until a standby is attached). A named state:
+        a gauge, a counter, one WARNING when it starts (OutboxWaitingForStandby)."""
+        self.metrics.standby_wait_timeouts.inc()
+        if not self._standby_waiting:
+            log.warning("waiting for a standby, publishing nothing: %s", exc,
+                        extra={"action": "standby_wait_timeout"})
+        self._standby_waiting = True
+        self.metrics.waiting_for_standby.set(1)
+
+    def _standby_caught_up(self) -> None:
+        if self._standby_waiting:
+            log.info("the standby flushed a batch's claim: publishing again",
+                     extra={"action": "standby_caught_up"})
+        self._standby_waiting = False
+        self.metrics.waiting_for_standby.set(0)
+
     def _ledger_missing(self, exc: LedgerMissing) -> None:
         """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it
         is declared again: dropping the connection makes the loop reconnect, which declares it,
@@ -425,8 +477,13 @@ class Relay(Loop):
         """A failed batch was rolled back: forget what was delivered, count what failed."""
         failures = {**result.suspect, **result.failed}
         batch_size = len(published)
-        # A suspect alone in its batch is the culprit; otherwise it is only retried alone.
-        attributed = list(result.failed) + (list(result.suspect) if batch_size == 1 else [])
+        # A suspect alone in its batch is the culprit; otherwise it is only retried alone. A
+        # nacked one only while the broker confirms other messages (NACK_EVIDENCE_SECONDS).
+        attributed = list(result.failed)
+        if batch_size == 1:
+            confirming = time.monotonic() - self._confirmed_at <= NACK_EVIDENCE_SECONDS
+            attributed.extend(row_id for row_id, failure in result.suspect.items()
+                              if failure.reason is not Reason.NACKED or confirming)
         lost = self._lost(result, published)
         if lost:
             failures.update(lost)
@@ -574,6 +631,19 @@ class Relay(Loop):
         if now < self._next_stats:
             return
         self._next_stats = now + self.settings.stats_interval
-        backlog, lag = self.store.stats()
+        backlog, lag, never_due = self.store.stats()
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)
+        if never_due:
+            self._dead_letter_never_due()
+
+    def _dead_letter_never_due(self) -> None:
+        """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved
+        to the dead-letter table, where they are seen (a keyed one would otherwise hold its key
+        forever, unseen) and `dead-letter requeue` makes them due now."""
+        moved = self.store.dead_letter_never_due(self.settings.batch_size)
+        self.metrics.dead_lettered.labels(DeadLetterReason.INVALID).inc(len(moved))
+        for row_id, message_id, reason in moved:
+            log.warning("row dead-lettered: %s", reason, extra={
+                "action": "row_dead_lettered", "reason": DeadLetterReason.INVALID.value,
+                "row_id": row_id, "message_id": message_id})

@@ -28,7 +28,8 @@ class ResolverMetrics:
         self.build_info.info({"version": version()})
         self.lag = Gauge(
             "outbox_lag_seconds",
-            "Age of the oldest unpublished row of OUTBOX_TABLE, from one table-wide query every "
+            "How late the oldest unpublished row of OUTBOX_TABLE is (its age since it was due: "
+            "created_at, or a producer's later available_at), from one table-wide query every "
             "OUTBOX_STATS_INTERVAL however many relays run (NaN while the query fails)",
             registry=r)
         self.backlog = Gauge(
@@ -36,9 +37,9 @@ class ResolverMetrics:
             "Rows waiting in OUTBOX_TABLE (the same query; NaN while it fails)", registry=r)
         self.blocked_keys = Gauge(
             "outbox_blocked_keys",
-            "Ordering keys held back behind a dead letter: none of their rows is published "
-            "until the dead letter is requeued or discarded (the same schedule; NaN while it "
-            "fails)", registry=r)
+            "Ordering keys held back behind a dead letter (a row never due, available_at "
+            "'infinity', is one too): none of their rows is published until the dead letter is "
+            "requeued or discarded (the same schedule; NaN while it fails)", registry=r)
         self.in_doubt = Gauge(
             "outbox_prepared_transactions",
             "Prepared transactions of this gid prefix (in doubt or in flight)", registry=r)

@@ -112,7 +112,8 @@ class PostgresPreparedStore:
 
     @postgres.translated
     def outbox_stats(self) -> tuple[int, float]:
-        return postgres.outbox_stats(self._session, self.tables)
+        backlog, lag, _never_due = postgres.outbox_stats(self._session, self.tables)
+        return backlog, lag
 
     @postgres.translated
     def blocked_keys(self) -> int:

@@ -1,16 +1,21 @@
 """What the relays' table-wide lag and backlog query costs:
 ``python -m benchmarks.studies.stats_query``.
 
-Every relay runs the store's ``stats`` query (``count(*)`` and ``min(created_at)`` over the whole
-outbox) once every ``OUTBOX_STATS_INTERVAL`` (5 s), for ``outbox_relay_backlog_events`` and
-``outbox_relay_lag_seconds``. Its cost grows with the backlog, and N relays run it N times. This
-starts a PostgreSQL of its own, fills an outbox to each backlog size, and measures:
+Every relay runs the store's ``stats`` query (``count(*)``, the oldest due time and the rows
+never due, over the whole outbox) once every ``OUTBOX_STATS_INTERVAL`` (5 s), for
+``outbox_relay_backlog_events`` and ``outbox_relay_lag_seconds``. Its cost grows with the
+backlog, and N relays run it N times. This starts a PostgreSQL of its own, fills an outbox to
+each backlog size, and measures:
 
 - one query, warm cache: median and worst of ``--repeat`` runs, and the plan PostgreSQL picks;
 - N relays' queries arriving at the same moment (N sessions, one query each, started together):
   the slowest of them, for each N of ``--relays``;
 - what N relays cost on average: N / interval queries a second, times one query's median time,
   as a share of one CPU core.
+
+With ``--instructions`` it counts instead what one query costs PostgreSQL per row, in
+instructions (its backend under callgrind, serial plans, ``--backlog`` rows, the query run 3
+times less once): the same figure whatever else the machine does. Needs valgrind; minutes.
 """
 
 from __future__ import annotations
@@ -120,6 +125,33 @@ def measure(url: str, backlogs: list[int], relays: list[int], repeat: int,
     return results
 
 
+def instructions(backlog: int, runs: int = 3) -> float:
+    """Instructions per row of one stats query: a session that runs it 1 + ``runs`` times, less
+    one that runs it once (its planning and catalog reads), over ``runs`` x ``backlog`` rows."""
+    from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_server
+
+    query = Tables(TABLE).query("stats")
+    server = callgrind_server(extra_conf={"autovacuum": "off",
+                                          "max_parallel_workers_per_gather": "0"})
+    try:
+        server.start(timeout=300)
+        migrate(server.url, TABLE, timeout=120)
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            fill(conn, backlog)
+
+        def session(times: int) -> int:
+            with psycopg.connect(server.url, autocommit=True) as conn:
+                pid = conn.info.backend_pid
+                for _ in range(times):
+                    conn.execute(query).fetchone()
+            return backend_total(server, pid)
+
+        once = session(1)
+        return (session(1 + runs) - once) / (runs * backlog)
+    finally:
+        stop_server(server)
+
+
 def _print(result: dict[str, Any], interval: float) -> None:
     print(f"backlog {result['backlog']:>9,}: one query {result['median_ms']:8.2f} ms median, "
           f"{result['max_ms']:8.2f} ms worst ({result['plan']})")
@@ -141,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=float(STATS_INTERVAL.default or 5),
                         help="OUTBOX_STATS_INTERVAL to compute the average cost with")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count PostgreSQL's instructions per row instead (callgrind)")
     args = parser.parse_args(argv)
+    if args.instructions:
+        for backlog in sorted(args.backlog):
+            if backlog:
+                print(f"backlog {backlog:>9,}: {instructions(backlog):,.0f} instructions a row",
+                      flush=True)
+        return 0
     with ExitStack() as stack:
         print("starting PostgreSQL", flush=True)
         pg = stack.enter_context(PostgresServer(max_prepared_transactions=4))

@@ -112,6 +112,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "says why",
     ),
     LogAction(
+        ("standby_wait_timeout", "standby_caught_up"), "WARNING, INFO", "relay",
+        "",
+        "`OUTBOX_STANDBY_WAIT`: the first batch rolled back because the standby did not flush "
+        "its claim within `OUTBOX_STANDBY_WAIT_TIMEOUT` (nothing is published meanwhile: "
+        "`outbox_relay_waiting_for_standby` is 1, [OutboxWaitingForStandby](#outboxwaitingforstandby)); "
+        "the first batch that passed the wait again",
+    ),
+    LogAction(
         ("ledger_missing",), "WARNING", "relay",
         "",
         "the ledger stream or its exchange was deleted under the relay: its batch is rolled back "

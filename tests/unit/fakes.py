@@ -373,10 +373,30 @@ class FakeStore(_Scripted):
         self._raise(fault)
         return dead
 
-    def stats(self) -> tuple[int, float]:
+    def stats(self) -> tuple[int, float, int]:
         fault = self._enter("stats", "stats")
         self._raise(fault)
-        return len(self.rows) + len(self.locked_ids()), self.lag
+        never_due = sum(1 for r in self.rows.values() if r.available_at == float("inf"))
+        return len(self.rows) + len(self.locked_ids()), self.lag, never_due
+
+    def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]:
+        """Rows with ``available_at`` infinite (a key's oldest only), as the real query."""
+        fault = self._enter("dead_letter_never_due", "dead_letter_never_due", limit=limit)
+        moved = []
+        for row in sorted(self.rows.values(), key=lambda r: r.id):
+            if len(moved) >= limit or row.available_at != float("inf"):
+                continue
+            if row.ordering_key is not None and any(
+                    other.ordering_key == row.ordering_key and other.id < row.id
+                    for other in [*self.rows.values(),
+                                  *(r for t in self.prepared.values() for r in t.claimed.values())]):
+                continue
+            reason = "available_at 'infinity' is never due (a date before the year 10000 is required)"
+            del self.rows[row.id]
+            self.dead_letter[row.id] = DeadRow(row, reason, row.attempts + 1, "invalid")
+            moved.append((row.id, row.message_id, reason))
+        self._raise(fault)
+        return moved
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -491,7 +511,6 @@ class FakePublisher(_Scripted):
         self.batches.append(list(messages))
         result = PublishResult()
         pending: set[int] = set()
-        nacked = 0
         stopped: Failure | None = None
         for message in messages:
             self.published.append(message)
@@ -500,7 +519,8 @@ class FakePublisher(_Scripted):
                 result.confirmed.add(message.row_id)
                 self.confirmed.append(message)
             elif outcome is Outcome.NACK:
-                nacked += 1  # as the real one: the batch fails, no row is blamed
+                # As the real one: a suspect; the channel is replaced, the batch goes on.
+                result.suspect[message.row_id] = Failure(Reason.NACKED, "nacked by the broker")
             elif outcome is Outcome.RETURN:
                 result.failed[message.row_id] = Failure(Reason.UNROUTABLE, (
                     f"unroutable: 312 NO_ROUTE (exchange {message.exchange!r}, "
@@ -517,7 +537,8 @@ class FakePublisher(_Scripted):
                 break
         if while_waiting is not None and stopped is None and result.transient is None:
             while_waiting()  # as the real one: every message written, confirms not awaited
-        unconfirmed = {m.row_id for m in messages} - result.confirmed - result.failed.keys()
+        unconfirmed = ({m.row_id for m in messages} - result.confirmed - result.failed.keys()
+                       - result.suspect.keys())
         if stopped is not None:
             result.suspect.update(dict.fromkeys(sorted(unconfirmed), stopped))
         elif pending and result.transient is None:
@@ -525,9 +546,6 @@ class FakePublisher(_Scripted):
                                        f"no confirm within {self.confirm_timeout:g} s",
                                        in_flight_lost=True)
             self._lose_connection()
-        if nacked and result.transient is None:
-            result.transient = Failure(Reason.NACKED, f"nacked by the broker ({nacked} messages)")
-            self._lose_connection()  # the real one reopens its connection after a nack
         self._raise(fault)
         return result
 

@@ -1,17 +1,14 @@
-"""A RabbitMQ cluster's URLs, the ledger's replicas and the publisher's answer to a nack."""
+"""A RabbitMQ cluster's URLs, the ledger's replicas and the standby wait's settings."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pika.exceptions
 import pytest
 
 from outbox_relay import rabbitmq
-from outbox_relay.errors import ConfigError, StartupCheckError, TransientError
-from outbox_relay.model import Reason
-from outbox_relay.relay import publisher as publisher_module
+from outbox_relay.errors import ConfigError, StartupCheckError
 from outbox_relay.relay import store
 from outbox_relay.relay.settings import RELAY_OPTIONS
 from outbox_relay.runtime.logs import redact
@@ -123,26 +120,6 @@ def test_a_single_replica_ledger_on_a_cluster_is_a_startup_error() -> None:
 
 def test_a_single_node_relay_keeps_the_ledger_declared_without_a_size() -> None:
     assert declare("none", 1) == [{"x-queue-type": "stream", "x-max-age": "7D"}]
-
-
-def test_after_a_nack_the_next_connection_is_held_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    pub = publisher_module.AmqpPublisher("amqp://g:g@127.0.0.1:9/", ledger_stream="l",
-                                         ledger_max_age="7D", confirm_timeout=1,
-                                         connect_timeout=1)
-    pub._nacked = 2
-    pub._after_nack()
-    assert pub._result.transient is not None
-    assert pub._result.transient.detail == "nacked by the broker (2 messages)"
-    assert pub._result.transient.reason is Reason.NACKED
-    assert not pub._result.failed  # no row blamed
-    with pytest.raises(TransientError, match=r"holding off .* after the broker nacked"):
-        pub.connect()
-    first = pub._hold_until - time.monotonic()
-    assert 0 < first <= publisher_module.NACK_BACKOFF_BASE
-    pub._nacked = 1
-    pub._after_nack()
-    assert pub._nack_streak == 2
-    assert pub._hold_until - time.monotonic() <= 2 * publisher_module.NACK_BACKOFF_BASE
 
 
 @pytest.mark.parametrize(("value", "where"), [

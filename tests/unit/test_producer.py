@@ -199,6 +199,19 @@ def test_a_naive_available_at_is_refused() -> None:
     assert error.field == "available_at" and "timezone-aware" in error.reason
 
 
+def test_an_available_at_never_due_is_refused() -> None:
+    # 9999-12-31 23:00 at UTC-14 is the year 10000 in UTC: the relay would dead-letter it.
+    late = datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-14)))
+    error = refused(available_at=late)
+
+    assert error.field == "available_at"
+    assert error.reason == ("available_at 9999-12-31T23:00:00-14:00 is never due (a date before "
+                            "the year 10000 is required)")
+    cursor = FakeCursor()  # the last day of 9999 is a schedule
+    enqueue(cursor, **good(available_at=datetime(9999, 12, 31, tzinfo=timezone.utc)))
+    assert len(cursor.calls) == 1
+
+
 def test_a_bad_table_name_is_a_config_error() -> None:
     for table in ('outbox"; DROP TABLE users; --', "a.b.c", "", 5):
         with pytest.raises(ConfigError):

@@ -92,3 +92,42 @@ def test_after_a_message_pika_cannot_encode_the_rest_of_its_key_is_held_back() -
     pub._publish_all(messages)
     assert pub._channel.published == ["k1", "k3", "k5"]
     assert set(pub._result.failed) == {2} and pub._result.held == {4}
+
+
+class Frame:
+    def __init__(self, method: Any) -> None:
+        self.method = method
+
+
+def test_a_nack_makes_its_row_a_suspect_and_the_rest_of_the_batch_goes_on() -> None:
+    """A nack names the message a queue refused (a full reject-publish queue): that row is a
+    suspect, the batch's other messages are confirmed as usual, nothing is transient."""
+    import pika.spec
+
+    pub = make()
+    pub._result = publisher_module.PublishResult()
+    pub._pending = {1: 11, 2: 12, 3: 13, 4: 14}
+    pub._on_confirm(Frame(pika.spec.Basic.Ack(delivery_tag=1)))
+    pub._on_confirm(Frame(pika.spec.Basic.Nack(delivery_tag=2)))
+    pub._on_confirm(Frame(pika.spec.Basic.Ack(delivery_tag=4, multiple=True)))
+    pub._settle_unconfirmed()
+    assert pub._result.confirmed == {11, 13, 14}
+    assert list(pub._result.suspect) == [12]
+    assert pub._result.suspect[12].reason is publisher_module.Reason.NACKED
+    assert pub._result.transient is None and not pub._result.failed
+    assert pub._nacked == 1
+
+
+def test_after_a_nack_a_channel_that_cannot_be_replaced_drops_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pub = make()
+    closed: list[bool] = []
+
+    def no_channel() -> None:
+        raise publisher_module.TransientError("RabbitMQ did not enable publisher confirms in time")
+
+    monkeypatch.setattr(pub, "_open_channel", no_channel)
+    monkeypatch.setattr(pub, "close", lambda handshake=True: closed.append(handshake))
+    pub._replace_channel()
+    assert closed == [False]  # the loop reconnects, with its own backoff

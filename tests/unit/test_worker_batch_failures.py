@@ -14,22 +14,6 @@ from tests.unit.relay_rig import Rig, make_rig
 # -- nacks ------------------------------------------------------------------------------------
 
 
-def test_a_nack_fails_the_batch_without_blaming_its_rows(rig: Rig) -> None:
-    """A nack is the broker's failure (a quorum queue without a majority), not the row's: the
-    batch is rolled back and retried, and no row of it counts an attempt."""
-    ids = rig.store.add_many(3)
-    rig.publisher.script(ids[2], Outcome.NACK)
-
-    rig.relay.run_batch()
-
-    assert "commit_prepared" not in rig.journal
-    assert list(rig.store.rows) == [ids[2]]  # the confirmed ones are not published again
-    assert rig.store.rows[ids[2]].attempts == 0
-    assert rig.row_failures("nacked") == 0
-    assert rig.batch_failures("nacked") == 1
-    assert not rig.publisher.connected  # reopened before the next batch
-
-
 def test_nacks_never_dead_letter_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, max_attempts=2)
     row_id = rig.store.add()

@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from outbox_relay import schema
 from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
 from outbox_relay.postgres import connect
 from outbox_relay.relay import dead_letter, faults
@@ -20,7 +21,7 @@ from outbox_relay.relay.worker import Relay, relay_health
 from outbox_relay.runtime import http, logs, options
 from outbox_relay.runtime.exits import EXIT_OK, EXIT_STARTUP, run_program
 from outbox_relay.runtime.signals import Shutdown
-from outbox_relay.schema import migrate, schema_sql
+from outbox_relay.schema import SCHEMA_VERSION, migrate, roles_sql, schema_sql
 from outbox_relay.tables import Tables
 from outbox_relay.version import __version__
 
@@ -41,9 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter}")
     run = sub.add_parser("run", help="relay events (the default)")
     options.add_options(run, RELAY_OPTIONS)
-    mig = sub.add_parser("migrate", help="create the outbox tables if missing (idempotent)")
-    mig.add_argument("--print", action="store_true", dest="print_only",
-                     help="print the SQL instead of applying it (for psql -f)")
+    mig = sub.add_parser(
+        "migrate", help="create or upgrade the outbox tables (idempotent)",
+        description="Create the outbox tables if missing, upgrade older ones, record the schema's "
+        f"version ({SCHEMA_VERSION}) as the outbox table's comment. Exit codes: 0 done (--check: "
+        "the schema is one this program runs on), 1 PostgreSQL unreachable, 2 bad arguments, 3 "
+        "the schema is missing or older (--check), or newer than this program can use.")
+    what = mig.add_mutually_exclusive_group()
+    what.add_argument("--print", action="store_true", dest="print_only",
+                      help="print the SQL instead of applying it (for psql -f)")
+    what.add_argument("--check", action="store_true",
+                      help="change nothing; exit 0 if the schema is one this program runs on, 3 "
+                      "with one line if it is missing, older, or newer than it can use (for "
+                      "deploy pipelines and init containers)")
+    what.add_argument("--print-roles", action="store_true",
+                      help="print sql/roles.sql, the least-privilege roles, for psql: "
+                      "| psql URL -v table=outbox -v roles=outbox -f -")
     options.add_options(mig, MIGRATE_OPTIONS)
     dead = sub.add_parser(
         "dead-letter", help="list the dead-letter table or move rows back into the outbox",
@@ -90,11 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    if args.print_roles:
+        sys.stdout.write(roles_sql())
+        return EXIT_OK
     if args.print_only:
         table = options.resolve(args, (options.TABLE,))["table"]
         sys.stdout.write(schema_sql(table) + "\n")
         return EXIT_OK
     values = options.resolve(args, MIGRATE_OPTIONS)
+    if args.check:  # one line, on stdout when fit, on stderr when not; no log set up
+        found = schema.check(values["database_url"], values["table"],
+                             timeout=values["connect_timeout"])
+        if found.problem is not None:
+            print(f"outbox-relay: error: {found.problem}", file=sys.stderr)
+            return EXIT_STARTUP
+        print(f"outbox-relay: {found.describe()}")
+        return EXIT_OK
     logs.setup(values["log_level"], values["log_format"])
     migrate(values["database_url"], values["table"], timeout=values["connect_timeout"])
     log.info("schema applied", extra={"action": "schema_applied", "table": values["table"]})

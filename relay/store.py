@@ -32,6 +32,7 @@ from outbox_relay.postgres import (
     usable,
     warn_unchecked,
 )
+from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
 
 # Planner guards of the relay's sessions. An outbox swings between empty and full and its
@@ -156,6 +157,7 @@ class OutboxStore:
         self._conn = without_prepare(connect(self._url, timeout=self._connect_timeout,
                                              application_name=self._application_name))
         check_server(self._conn, self.tables)
+        check_schema(self._conn, self.tables)
         if not self._standbys_checked:  # once per process, not at every reconnect
             warn_unchecked(check_standbys(self._url, self._conn, self._connect_timeout))
             self._standbys_checked = True

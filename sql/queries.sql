@@ -316,6 +316,13 @@ SELECT current_setting('max_prepared_transactions')::int AS max_prepared_transac
        to_regclass(%(dead_letter)s) IS NOT NULL AS has_dead_letter,
        current_setting('server_version_num')::int AS server_version;
 
+-- name: schema_version
+-- The schema's version (outbox_relay/schema.py): the comment `migrate` writes on the outbox
+-- table. pg_description is readable by every role; to_regclass needs USAGE on the schema.
+SELECT to_regclass(%(outbox)s) IS NOT NULL AND to_regclass(%(dead_letter)s) IS NOT NULL
+           AS has_tables,
+       obj_description(to_regclass(%(outbox)s), 'pg_class') AS recorded;
+
 -- name: order_check
 -- The relay's claim keeps per-key order with the key indexes (`migrate` creates them) and reads
 -- the dead-letter table's ordering_key (sql/roles.sql grants it).

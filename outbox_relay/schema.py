@@ -110,6 +110,13 @@ def schema_sql(table: str) -> str:
     return Tables(table).schema().as_string(None)
 
 
+def drop_schema_sql(table: str) -> str:
+    """The reverse of ``schema_sql(table)`` as plain SQL (sql/drop_schema.sql), for the downgrade
+    of an Alembic or Django migration: drops the three tables, and refuses while the outbox or
+    the dead-letter table holds a row."""
+    return Tables(table).compose(sql_files.text("drop_schema.sql")).as_string(None)
+
+
 def migrate(url: str, table: str, *, timeout: float = 10.0) -> None:
     """Create the outbox, dead-letter and ledger-key tables and their indexes if they do not
     exist, upgrade older ones, record the version; a newer schema is left as it is
@@ -131,4 +138,5 @@ def roles_sql() -> str:
 
 
 __all__ = ["SCHEMA_USABLE_FROM", "SCHEMA_VERSION", "SchemaVersion", "check", "check_schema",
-           "migrate", "parse_recorded", "roles_sql", "schema_sql", "schema_version"]
+           "drop_schema_sql", "migrate", "parse_recorded", "roles_sql", "schema_sql",
+           "schema_version"]

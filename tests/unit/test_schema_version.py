@@ -77,3 +77,48 @@ def test_missing_tables_say_run_migrate() -> None:
 
 def test_roles_sql_is_the_packaged_file() -> None:
     assert schema.roles_sql() == (ROOT / "sql" / "roles.sql").read_text("utf-8")
+
+
+def test_the_drop_script_has_no_percent_and_no_colon_word() -> None:
+    text = schema.drop_schema_sql("app.events")
+    assert "%" not in text and not re.search(r"(?<![:\w]):\w", text)
+    assert 'DROP TABLE IF EXISTS "app"."events_ledger_key", "app"."events_dead_letter", ' \
+           '"app"."events";' in text
+
+
+# -- Alembic's include_object ------------------------------------------------------------------
+
+
+class Table:
+    def __init__(self, name: str, schema: str | None = None) -> None:
+        self.name, self.schema = name, schema
+
+
+class OnTable:
+    """A column, index or constraint: it names its table."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+
+def test_include_object_leaves_out_the_tables_outbox_relay_owns() -> None:
+    from outbox_relay.alembic import include_object, include_object_for, owned_tables
+
+    for name in ("outbox", "outbox_dead_letter", "outbox_ledger_key", "inbox", "inbox_keys"):
+        assert not include_object(Table(name), name, "table", True, None), name
+        assert not include_object(OnTable(Table(name)), "ix", "index", True, None), name
+    for name in ("orders", "outbox_archive"):
+        assert include_object(Table(name), name, "table", True, None)
+    # outbox is the default schema's: another schema's table of that name is the service's.
+    assert include_object(Table("outbox", "billing"), "outbox", "table", True, None)
+    assert include_object(object(), "x", "schema", True, None)  # no table: not ours to judge
+
+    hook = include_object_for(outbox=["billing.events"], inbox=[])
+    assert not hook(Table("events_dead_letter", "billing"), "events_dead_letter", "table", True,
+                    None)
+    assert hook(Table("events_dead_letter"), "events_dead_letter", "table", True, None)
+    assert hook(Table("inbox"), "inbox", "table", True, None)
+    assert owned_tables(["a"], ["b.c"]) == {(None, "a"), (None, "a_dead_letter"),
+                                            (None, "a_ledger_key"), ("b", "c"), ("b", "c_keys")}
+    with pytest.raises(ValueError, match="must be a table name"):
+        include_object_for(outbox=['x"; DROP'])

@@ -426,12 +426,30 @@ FROM holders
 GROUP BY holder;
 
 -- name: dead_letter_list
--- `outbox-relay dead-letter list`: the oldest dead letters first, with how many there are.
+-- `outbox-relay dead-letter list` and `discard`: the oldest dead letters first, with how many
+-- match in all. Each filter applies when given, and a NULL one matches every row: the ids, the
+-- exchange (equal), the reason (a substring of last_error, in any case), the age (dead_at
+-- older or newer than so many seconds). A NULL limit: every matching row.
 SELECT id, message_id, exchange, routing_key, attempts, dead_at, last_error,
        count(*) OVER () AS total
 FROM {dead_letter}
+WHERE (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(exchange)s::text IS NULL OR exchange = %(exchange)s::text)
+  AND (%(reason)s::text IS NULL OR strpos(lower(last_error), lower(%(reason)s::text)) > 0)
+  AND (%(older_than)s::float8 IS NULL
+       OR dead_at < now() - make_interval(secs => %(older_than)s::float8))
+  AND (%(newer_than)s::float8 IS NULL
+       OR dead_at >= now() - make_interval(secs => %(newer_than)s::float8))
 ORDER BY id
-LIMIT %(limit)s;
+LIMIT %(limit)s::bigint;
+
+-- name: dead_letter_discard
+-- `outbox-relay dead-letter discard`: delete the dead letters the operator was shown and
+-- confirmed (by id: a row that matches the filter only since then is not deleted). A keyed
+-- dead letter that goes frees its key: the key's later rows flow again.
+DELETE FROM {dead_letter}
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
 
 -- name: dead_letter_lock
 -- `outbox-relay dead-letter requeue`: lock the chosen rows (all of them, or the given ids) for

@@ -16,8 +16,9 @@ WORKDIR /src
 # .dockerignore keeps the context to what the wheel is built from.
 COPY . .
 # The wheel ships the top-level sql/ folder as the package outbox_relay.sql (see pyproject.toml),
-# so `outbox-relay migrate` works from the installed image.
-RUN pip wheel . --wheel-dir /wheels
+# so `outbox-relay migrate` works from the installed image. The extra binary brings psycopg's
+# own libpq (the slim image has none); the project itself depends on plain psycopg.
+RUN pip wheel ".[binary]" --wheel-dir /wheels
 
 # --- runtime: the wheels installed offline, nothing else ---------------------------------
 FROM python:3.11-slim
@@ -33,7 +34,7 @@ RUN groupadd --system --gid 10001 outbox \
 
 # Bind-mount the wheels instead of COPYing them, so they never become a layer of the image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links=/wheels outbox-relay
+    pip install --no-index --find-links=/wheels "outbox-relay[binary]"
 
 # Numeric, so runtimes that enforce "runAsNonRoot" can check it without /etc/passwd.
 USER 10001:10001

@@ -58,7 +58,8 @@ class Tables:
         return sql.SQL(template).format(
             outbox=self.outbox,
             dead_letter=self.dead_letter,
-            # The quoted name as a string literal, for regclass casts.
+            # The quoted names as string literals, for regclass casts.
+            outbox_text=sql.Literal(self.outbox.as_string(None)),
             dead_letter_text=sql.Literal(self.dead_letter.as_string(None)),
             ledger_key=self.ledger_key,
             message_id_index=self.message_id_index,

@@ -1,4 +1,5 @@
-"""The operator's view of the dead-letter table: list it, move rows back into the outbox."""
+"""The operator's view of the dead-letter table: list it (all of it, or what a filter matches),
+move rows back into the outbox, discard them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ class DeadLetter:
     last_error: str
 
 
+@dataclass(frozen=True)
+class Selection:
+    """Which dead letters: each field that is set narrows it (all of them when none is)."""
+
+    ids: Sequence[int] | None = None
+    exchange: str | None = None
+    reason: str | None = None  # a substring of last_error, in any case
+    older_than: float | None = None  # seconds since dead_at
+    newer_than: float | None = None
+
+    @property
+    def everything(self) -> bool:
+        return all(value is None for value in (self.ids, self.exchange, self.reason,
+                                               self.older_than, self.newer_than))
+
+    def params(self) -> dict[str, Any]:
+        return {"ids": None if self.ids is None else sorted(set(self.ids)),
+                "exchange": self.exchange, "reason": self.reason,
+                "older_than": self.older_than, "newer_than": self.newer_than}
+
+
 @dataclass
 class Requeued:
     moved: dict[int, int] = field(default_factory=dict)  # dead-letter id -> its outbox id
@@ -32,14 +54,26 @@ class Requeued:
     missing: list[int] = field(default_factory=list)  # ids asked for that are not dead letters
 
 
-def list_dead_letters(conn: psycopg.Connection[Any], tables: Tables,
-                      limit: int) -> tuple[list[DeadLetter], int]:
-    """(up to ``limit`` dead letters, oldest first; how many there are in all)."""
+def list_dead_letters(conn: psycopg.Connection[Any], tables: Tables, limit: int | None,
+                      selection: Selection | None = None) -> tuple[list[DeadLetter], int]:
+    """(up to ``limit`` dead letters of ``selection``, oldest first, all of them for None; how
+    many it matches in all)."""
+    params = {**(selection or Selection()).params(), "limit": limit}
     try:
-        rows = conn.execute(tables.query("dead_letter_list"), {"limit": limit}).fetchall()
+        rows = conn.execute(tables.query("dead_letter_list"), params).fetchall()
     except psycopg.errors.UndefinedTable:
         raise missing_schema(tables) from None
     return [DeadLetter(*row[:7]) for row in rows], (rows[0][7] if rows else 0)
+
+
+def discard(conn: psycopg.Connection[Any], tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Delete the dead letters ``ids`` (the ones the operator saw); the ids deleted (one that
+    was requeued or discarded meanwhile is not among them)."""
+    try:
+        rows = conn.execute(tables.query("dead_letter_discard"), {"ids": list(ids)}).fetchall()
+    except psycopg.errors.UndefinedTable:
+        raise missing_schema(tables) from None
+    return sorted(row[0] for row in rows)
 
 
 def requeue(conn: psycopg.Connection[Any], tables: Tables, ids: Sequence[int] | None) -> Requeued:

@@ -34,6 +34,7 @@ from outbox_relay.postgres import (
     warn_create,
     warn_unchecked,
 )
+from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
 
 # Planner guards of the relay's sessions. An outbox swings between empty and full and its
@@ -165,6 +166,7 @@ class OutboxStore:
         self._conn = without_prepare(conn)
         self._claim = self.tables.query("claim")
         check_server(self._conn, self.tables)
+        check_schema(self._conn, self.tables)
         if not self._standbys_checked:  # once per process, not at every reconnect
             warn_unchecked(check_standbys(self._url, self._conn, self._connect_timeout))
             self._standbys_checked = True

@@ -10,6 +10,7 @@ import psycopg
 
 from outbox_relay import postgres
 from outbox_relay.model import HorizonHolder, PreparedXact, SessionRole
+from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
 
 
@@ -58,7 +59,8 @@ class PostgresPreparedStore:
 
     @postgres.translated
     def connect(self) -> None:
-        """Connect, fail fast on 2PC off or a missing schema, read the ledger key and our role."""
+        """Connect, fail fast on 2PC off or a missing or unusable schema, read the ledger key and
+        our role."""
         self.close()
         # search_path pinned, tables named with their schema (postgres.pin_search_path).
         conn, self.tables = postgres.connect_pinned(self._url, self._table,
@@ -66,6 +68,7 @@ class PostgresPreparedStore:
                                                     application_name="outbox-resolver")
         try:
             postgres.check_server(conn)
+            check_schema(conn, self.tables)
             if not self._standbys_checked:  # once per process, not at every reconnect
                 postgres.warn_unchecked(postgres.check_standbys(self._url, conn, self._connect_timeout))
                 self._standbys_checked = True

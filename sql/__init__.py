@@ -1,7 +1,8 @@
 """Every SQL file of outbox-relay, shipped inside the wheel as ``outbox_relay.sql``.
 
 ``schema.sql`` (the outbox, its dead-letter table, the ledger key) and ``inbox.sql`` (the
-consumers' inbox) are templates any service can apply; ``roles.sql`` is run with psql;
+consumers' inbox) are templates any service can apply, ``drop_schema.sql`` undoes the first (a
+migration's downgrade); ``roles.sql`` is run with psql;
 ``queries.sql`` holds the programs' named queries and ``api.sql`` the services' (the producer's
 INSERT, the inbox's statements). Identifiers are filled in by ``outbox_relay.tables.Tables``.
 """

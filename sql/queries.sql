@@ -421,6 +421,13 @@ SELECT current_setting('max_prepared_transactions')::int AS max_prepared_transac
        to_regclass(%(dead_letter)s) IS NOT NULL AS has_dead_letter,
        current_setting('server_version_num')::int AS server_version;
 
+-- name: schema_version
+-- The schema's version (outbox_relay/schema.py): the comment `migrate` writes on the outbox
+-- table. pg_description is readable by every role; to_regclass needs USAGE on the schema.
+SELECT to_regclass(%(outbox)s) IS NOT NULL AND to_regclass(%(dead_letter)s) IS NOT NULL
+           AS has_tables,
+       obj_description(to_regclass(%(outbox)s), 'pg_class') AS recorded;
+
 -- name: order_check
 -- The relay's claim keeps per-key order with the key indexes (`migrate` creates them) and reads
 -- the dead-letter table's ordering_key (sql/roles.sql grants it).
@@ -524,12 +531,30 @@ FROM holders
 GROUP BY holder;
 
 -- name: dead_letter_list
--- `outbox-relay dead-letter list`: the oldest dead letters first, with how many there are.
+-- `outbox-relay dead-letter list` and `discard`: the oldest dead letters first, with how many
+-- match in all. Each filter applies when given, and a NULL one matches every row: the ids, the
+-- exchange (equal), the reason (a substring of last_error, in any case), the age (dead_at
+-- older or newer than so many seconds). A NULL limit: every matching row.
 SELECT id, message_id, exchange, routing_key, attempts, dead_at, last_error,
        count(*) OVER () AS total
 FROM {dead_letter}
+WHERE (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(exchange)s::text IS NULL OR exchange = %(exchange)s::text)
+  AND (%(reason)s::text IS NULL OR strpos(lower(last_error), lower(%(reason)s::text)) > 0)
+  AND (%(older_than)s::float8 IS NULL
+       OR dead_at < now() - make_interval(secs => %(older_than)s::float8))
+  AND (%(newer_than)s::float8 IS NULL
+       OR dead_at >= now() - make_interval(secs => %(newer_than)s::float8))
 ORDER BY id
-LIMIT %(limit)s;
+LIMIT %(limit)s::bigint;
+
+-- name: dead_letter_discard
+-- `outbox-relay dead-letter discard`: delete the dead letters the operator was shown and
+-- confirmed (by id: a row that matches the filter only since then is not deleted). A keyed
+-- dead letter that goes frees its key: the key's later rows flow again.
+DELETE FROM {dead_letter}
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
 
 -- name: dead_letter_lock
 -- `outbox-relay dead-letter requeue`: lock the chosen rows (all of them, or the given ids) for

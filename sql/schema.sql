@@ -1,4 +1,5 @@
--- outbox-relay schema, version 2 (version 1 tables are upgraded in place).
+-- outbox-relay schema, version 2 (version 1 tables are upgraded in place). The version is
+-- recorded in the database, as the comment on the outbox table (the end of this file).
 --
 -- Idempotent: apply it as often as you like. {outbox}, {dead_letter} and the index names are
 -- filled in from the configured table name by `outbox-relay migrate`; for psql, print the
@@ -12,6 +13,19 @@
 -- (outbox_relay/postgres.py); for psql, the calls whose pg_catalog function needs a cast or
 -- takes "any" (which a look-alike in a schema others may create in would beat) are written
 -- pg_catalog-qualified.
+
+-- A schema newer than this file is left alone: applying this file to it would record an older
+-- version over the newer one (an older outbox-relay's `migrate`, or an old migration run again).
+DO $version$
+DECLARE
+    recorded text := obj_description(to_regclass({outbox_text}), 'pg_class');
+BEGIN
+    IF coalesce(substring(recorded FROM '^outbox-relay schema version ([0-9]+)')::numeric, 0) > 2 THEN
+        RAISE EXCEPTION USING MESSAGE = 'table ' || {outbox_text} || ' has a newer schema than '
+            || 'version 2 (' || recorded || '): not changed; use a newer outbox-relay';
+    END IF;
+END
+$version$;
 
 CREATE TABLE IF NOT EXISTS {outbox} (
     id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -111,3 +125,11 @@ REVOKE ALL ON {ledger_key} FROM PUBLIC;
 INSERT INTO {ledger_key} (key)
 VALUES (uuid_send(gen_random_uuid()) || uuid_send(gen_random_uuid()))
 ON CONFLICT (singleton) DO NOTHING;
+
+-- The schema's version, read at start by both programs and by `outbox-relay migrate --check`
+-- (outbox_relay/schema.py): "version N" is what this file creates, "usable by ... M" the oldest
+-- schema version whose programs can still run on it (a later, additive change keeps M, so
+-- relays of the previous version keep running through a rolling upgrade). A comment, not a
+-- table: pg_dump (--schema-only too) and pg_restore keep it, it moves with the table, and
+-- every role can read it (pg_description) without a grant. Do not change it by hand.
+COMMENT ON TABLE {outbox} IS 'outbox-relay schema version 2, usable by programs of schema version 2 or newer; written by outbox-relay migrate';

@@ -1,11 +1,15 @@
-"""`outbox-relay dead-letter list|requeue` as a subprocess, against real servers."""
+"""`outbox-relay dead-letter list|requeue|discard` as a subprocess, against real servers."""
 
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +109,10 @@ def test_requeue_by_id_and_all_moves_rows_back_and_the_relay_delivers_them(env: 
     wait_until(lambda: outbox_count(env) == 1, 30, "every row but dl-1 to go")
     delivered = checker.drain(env.amqp_url, env.queue, expected={"dl-2", "dl-3", "dl-4"})
     assert sorted(d.message_id for d in delivered) == ["dl-2", "dl-3", "dl-4"]
-    with env.connect() as conn:
-        conn.execute(sql.SQL("DELETE FROM {}").format(tables.dead_letter))  # discarded
+    discarded = run(env, "discard", "--all", "--yes")
+    assert discarded.returncode == 0, discarded.stderr
+    assert discarded.stdout.splitlines()[-1] == (
+        f"discarded 1 dead letter from {env.table}_dead_letter")
     wait_until(lambda: outbox_count(env) == 0, 30, "dl-1 to go once its key is free")
     assert [d.message_id for d in checker.drain(env.amqp_url, env.queue, expected={"dl-1"})] == [
         "dl-1"]
@@ -136,3 +142,135 @@ def test_help_lists_the_dead_letter_options() -> None:
             timeout=30).stdout
         for env_var in ("OUTBOX_DATABASE_URL", "OUTBOX_TABLE", "OUTBOX_CONNECT_TIMEOUT"):
             assert env_var in help_text, (sub, help_text)
+
+
+
+def dead_ids(env: Env) -> list[int]:
+    return [r[0] for r in rows(env, Tables(env.table).dead_letter, "id")]
+
+
+def varied_dead_letters(env: Env) -> None:
+    """1001-1006: two exchanges, two reasons, three of them dead-lettered 10 days ago."""
+    insert_dead_letters(env, 6)
+    with env.connect() as conn:
+        conn.execute(sql.SQL(
+            "UPDATE {} SET exchange = %s || '.other', last_error = 'Exchange Not Found: x',"
+            " dead_at = now() - interval '10 days' WHERE id IN (1004, 1005, 1006)").format(
+            Tables(env.table).dead_letter), (env.exchange,))
+        conn.execute(sql.SQL("UPDATE {} SET dead_at = now() - interval '10 days' WHERE id = 1001"
+                             ).format(Tables(env.table).dead_letter))
+
+
+def listed_ids(result: subprocess.CompletedProcess[str]) -> list[int]:
+    assert result.returncode == 0, result.stderr
+    return [int(line.split("\t")[0]) for line in result.stdout.splitlines()]
+
+
+def test_list_filters_by_exchange_reason_and_age(env: Env) -> None:
+    varied_dead_letters(env)
+    other = env.exchange + ".other"
+    assert listed_ids(run(env, "list", "--exchange", other)) == [1004, 1005, 1006]
+    assert listed_ids(run(env, "list", "--reason", "no_route")) == [1001, 1002, 1003]
+    assert listed_ids(run(env, "list", "--older-than", "7D")) == [1001, 1004, 1005, 1006]
+    assert listed_ids(run(env, "list", "--newer-than", "1h")) == [1002, 1003]
+    assert listed_ids(run(env, "list", "--older-than", "7D", "--reason", "NO_ROUTE")) == [1001]
+    assert listed_ids(run(env, "list", "--exchange", "nowhere")) == []
+    limited = run(env, "list", "--exchange", other, "--limit", "1", "--json")
+    assert [d["id"] for d in json.loads(limited.stdout)] == [1004]
+    assert "1 of 3 dead letters shown" in limited.stderr
+    bad = run(env, "list", "--older-than", "7 days")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "argument --older-than: must be a positive age such as 7D, 36h, 90m or 3600s "
+        "(got '7 days')")
+
+
+def test_discard_shows_asks_and_deletes_exactly_what_it_showed(env: Env) -> None:
+    varied_dead_letters(env)
+    # Nothing named, or --all with a filter: refused before connecting.
+    for args in ((), ("--all", "--reason", "x")):
+        refused = run(env, "discard", *args)
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines() == [
+            "outbox-relay: error: name the dead letters to discard: --id, a filter (--exchange, "
+            "--reason, --older-than, --newer-than) or --all, and --all alone"]
+
+    # No terminal to ask on and no --yes: it shows them, and deletes nothing.
+    shown = run(env, "discard", "--reason", "exchange not found", "--older-than", "7D")
+    assert shown.returncode == 2
+    assert listed_ids(subprocess.CompletedProcess([], 0, shown.stdout, "")) == [1004, 1005, 1006]
+    assert shown.stderr.strip().splitlines() == [
+        "outbox-relay: error: would discard 3 dead letters: nothing discarded; confirm with "
+        "--yes (--dry-run only prints them)"]
+    dry = run(env, "discard", "--exchange", env.exchange + ".other", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[-1] == (f"would discard 3 dead letters from {env.table}_dead_"
+                                           "letter (--dry-run: nothing discarded)")
+    assert dead_ids(env) == [1001, 1002, 1003, 1004, 1005, 1006]
+
+    done = run(env, "discard", "--exchange", env.exchange + ".other", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"discarded 3 dead letters from {env.table}_dead_letter"
+    assert dead_ids(env) == [1001, 1002, 1003]
+
+    # By id, with one that is not there; the filters narrow the ids.
+    done = run(env, "discard", "--id", "1002", "--id", "99", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"skipped dead letter 99: not in {env.table}_dead_letter"
+    assert dead_ids(env) == [1001, 1003]
+    done = run(env, "discard", "--id", "1001", "--id", "1003", "--newer-than", "1D", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert dead_ids(env) == [1001]
+    nothing = run(env, "discard", "--reason", "no such reason", "--yes")
+    assert nothing.returncode == 0 and "no dead letter matches" in nothing.stdout
+
+
+def on_a_terminal(env: Env, answer: str, *args: str,
+                  before_answer: Any = None) -> tuple[int, str]:
+    """`dead-letter discard ARGS` with a terminal as its stdin: wait for the question, run
+    ``before_answer``, type ``answer``; (exit code, everything it wrote to the terminal)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.relay", "dead-letter", "discard",
+                             *args], env=env.cli_env(), cwd=ROOT, stdin=follower,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"[y/N]" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([leader], [], [], 0.2)[0]:
+                seen += os.read(leader, 4096)
+        if before_answer is not None:
+            before_answer()
+        os.write(leader, answer.encode() + b"\n")
+        code = proc.wait(30)
+        while select.select([leader], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    return code, seen.decode(errors="replace")
+
+
+def test_discard_asks_on_a_terminal_and_deletes_only_what_it_showed(env: Env) -> None:
+    insert_dead_letters(env, 2)
+    code, screen = on_a_terminal(env, "n", "--reason", "no_route")
+    assert code == 1 and "discard these 2 dead letters from" in screen
+    assert "nothing discarded" in screen
+    assert dead_ids(env) == [1001, 1002]
+
+    # A dead letter that matches only after the question was asked is not deleted.
+    code, screen = on_a_terminal(env, "y", "--reason", "no_route",
+                                 before_answer=lambda: insert_dead_letters(env, 1, start=3))
+    assert code == 0, screen
+    assert "discarded 2 dead letters" in screen
+    assert dead_ids(env) == [1003]

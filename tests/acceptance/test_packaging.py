@@ -1,6 +1,8 @@
 """Packaging: one installed name, one version everywhere, the licence declared is the licence
 shipped, the wheel holds what the API and the programs need at run time (their SQL, py.typed),
-the integrations are optional extras that the relay's image does not install."""
+it depends on plain psycopg (psycopg's binary build is the extra the image installs), the
+integrations are optional extras that the image does not install, and the developers'
+dependencies are dependency groups, not extras."""
 
 from __future__ import annotations
 
@@ -102,10 +104,17 @@ def test_the_wheel_holds_the_api_its_sql_its_types_and_its_licence(wheel: zipfil
     meta = metadata(wheel)
     assert meta["Version"] == __version__
     assert meta["License-Expression"] == "Apache-2.0"
-    assert {"sqlalchemy", "aio-pika"} <= set(meta.get_all("Provides-Extra") or [])
-    # The integrations are extras only: a plain install (the relay's image) brings neither.
-    plain = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
-    assert not [r for r in plain if re.match(r"(?i)(sqlalchemy|aio-pika|django)\b", r)], plain
+    # A user's extras only: the developers' test and bench sets are dependency groups.
+    assert set(meta.get_all("Provides-Extra") or []) == {"binary", "sqlalchemy", "aio-pika"}
+    requires = meta.get_all("Requires-Dist") or []
+    # The integrations are extras only: a plain install brings neither.
+    plain = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in plain if re.match(r"(?i)(sqlalchemy|aio-pika|django|pytest)\b", r)], plain
+    # Plain psycopg, as psycopg asks of libraries; its binary build only through the extra.
+    [psycopg] = [r for r in plain if re.match(r"psycopg\b", r)]
+    assert re.match(r"psycopg *[<>=]", psycopg) and "[" not in psycopg, psycopg
+    [binary] = [r for r in requires if 'extra == "binary"' in r]
+    assert binary.startswith("psycopg[binary]"), binary
     assert "Typing :: Typed" in (meta.get_all("Classifier") or [])
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     scripts = wheel.read(entry_points).decode()
@@ -143,10 +152,27 @@ def test_a_service_with_its_own_relay_folder_imports_the_api(tmp_path: Path) -> 
     assert done.stdout.split() == ["True", "True", "enqueue"]
 
 
-def test_the_image_installs_no_extra() -> None:
+def test_the_image_installs_the_binary_extra_and_no_other() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text("utf-8")
     installs = re.findall(r"pip (?:install|wheel)[^\n]*", dockerfile)
-    assert installs and not [line for line in installs if "[" in line], installs
+    assert installs == ['pip wheel ".[binary]" --wheel-dir /wheels',
+                        'pip install --no-index --find-links=/wheels "outbox-relay[binary]"'], installs
+
+
+def test_the_developers_dependencies_are_groups_that_pip_installs() -> None:
+    """PEP 735 groups, which the pip ./dev upgrades to installs (25.1 or newer)."""
+    assert re.search(r"(?m)^\[dependency-groups\]\ntest = \[", PYPROJECT)
+    assert re.search(r"(?m)^bench = \[", PYPROJECT)
+    optional = PYPROJECT.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    assert not re.search(r"(?m)^(test|bench) =", optional)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps",
+                           "--no-index", "-q", "--group", "test", "--group", "bench", "--report",
+                           "-"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # --no-index: nothing is fetched; the groups are installed here, so pip resolves them from
+    # this environment (a pip without --group exits 2, "no such option"; a group it cannot find
+    # fails with "not found").
+    assert done.returncode == 0, done.stderr
+    assert "ERROR" not in done.stderr, done.stderr
 
 
 def test_the_public_api_is_typed_and_exported() -> None:

@@ -1,17 +1,26 @@
 """`outbox-relay migrate` upgrades a version 1 schema in place (issue 10): dead letters get an
 id of their own (the old id kept as outbox_id), the outbox gets row_bytes, the ledger key is
-created; twice in a row changes nothing; the relay and the dead-letter commands work on it."""
+created; twice in a row changes nothing; the relay and the dead-letter commands work on it.
+The schema's version is recorded in the database (issue 34): `migrate --check` and both
+programs refuse a schema that is missing, older, or newer than they can use; pg_dump and
+pg_restore keep it."""
 
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import subprocess
 import sys
 
+import psycopg
+import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from devenv import checker
-from outbox_relay.schema import migrate
+from outbox_relay.errors import StartupCheckError
+from outbox_relay.schema import SCHEMA_VERSION, migrate, schema_version
 from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import outbox_count, stop, wait_until
@@ -74,8 +83,20 @@ def test_a_version_1_schema_is_upgraded_in_place(env: Env) -> None:
             " (3, 'old-3', %s, 'k', '{{}}', '{{}}', now(), 3, 'x')").format(tables.dead_letter),
             (env.exchange, env.exchange))
 
+    # A version 1 schema records no version: refused until migrated.
+    checked = cli(env, "migrate", "--check")
+    assert checked.returncode == 3, checked.stderr
+    assert checked.stderr.strip().splitlines() == [
+        f"outbox-relay: error: table {env.table!r} records no outbox-relay schema version (made "
+        "by outbox-relay 0.1.0, or its comment was changed): run `outbox-relay migrate`"]
+    assert checked.stdout == ""
+
     migrate(env.db_url, env.table)
     migrate(env.db_url, env.table)  # idempotent
+    checked = cli(env, "migrate", "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.strip() == (f"outbox-relay: table {env.table!r} has schema version "
+                                      f"{SCHEMA_VERSION} (current)")
 
     with env.connect() as conn:
         old = conn.execute(sql.SQL("SELECT id, outbox_id FROM {} ORDER BY id").format(
@@ -108,3 +129,103 @@ def test_a_version_1_schema_is_upgraded_in_place(env: Env) -> None:
     assert stop(relay) == 0
     report = env.drain_and_check([*produced, "old-2"])
     assert report.ok(dead_letter_expected={"old-3", "new-3"}), report.summary()
+
+
+def recorded(env: Env) -> str | None:
+    with env.connect() as conn:
+        row = conn.execute("SELECT obj_description(to_regclass(%s), 'pg_class')",
+                           (Tables(env.table).outbox.as_string(None),)).fetchone()
+    assert row is not None
+    return None if row[0] is None else str(row[0])
+
+
+def set_recorded(env: Env, comment: str) -> None:
+    with env.connect() as conn:
+        conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(
+            Tables(env.table).outbox, sql.Literal(comment)))
+
+
+def only_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_a_missing_schema_fails_the_check_with_one_line(env: Env) -> None:
+    checked = cli(env, "migrate", "--check", "--table", "never_migrated")
+    assert checked.returncode == 3
+    assert only_line(checked.stderr) == (
+        "outbox-relay: error: table 'never_migrated' or 'never_migrated_dead_letter' does not "
+        "exist: run `outbox-relay migrate` first")
+    unreachable = cli(env, "migrate", "--check", "--database-url",
+                      "postgresql://app:pw@127.0.0.1:9/x", "--connect-timeout", "1")
+    assert unreachable.returncode == 1 and "cannot connect to PostgreSQL" in unreachable.stderr
+
+
+def test_a_newer_schema_is_refused_unless_it_is_usable_and_migrate_never_downgrades_it(
+        env: Env) -> None:
+    newer = SCHEMA_VERSION + 1
+    unusable = (f"outbox-relay schema version {newer}, usable by programs of schema version "
+                f"{newer} or newer; written by outbox-relay migrate")
+    set_recorded(env, unusable)
+    refusal = (f"table {env.table!r} has schema version {newer}, usable by programs of schema "
+               f"version {newer} or newer; this outbox-relay's is {SCHEMA_VERSION}: upgrade "
+               "outbox-relay")
+    checked = cli(env, "migrate", "--check")
+    assert checked.returncode == 3 and only_line(checked.stderr) == f"outbox-relay: error: {refusal}"
+    for program, args in (("relay", ()), ("resolver", ("--once",))):
+        done = subprocess.run([sys.executable, "-m", f"outbox_relay.{program}", *args],
+                              env=env.cli_env(), capture_output=True, text=True, timeout=60,
+                              cwd=ROOT, check=False)
+        assert done.returncode == 3, (program, done.stderr)
+        [line] = [line for line in done.stderr.splitlines() if "startup_check_failed" in line]
+        assert refusal in line, done.stderr
+    # An older migrate (this one, against a newer schema) changes nothing, and says why.
+    applied = cli(env, "migrate")
+    assert applied.returncode == 3
+    assert "has a newer schema than version 2" in only_line(applied.stderr), applied.stderr
+    with pytest.raises(StartupCheckError, match="not changed; use a newer outbox-relay"):
+        migrate(env.db_url, env.table)
+    assert recorded(env) == unusable
+
+    # A newer schema that says this program's version can use it (an additive change): the
+    # check passes and the relay runs on it.
+    set_recorded(env, unusable.replace(f"version {newer} or newer", f"version {SCHEMA_VERSION} "
+                                       "or newer"))
+    checked = cli(env, "migrate", "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert "(newer than this outbox-relay's 2, and usable by it)" in checked.stdout
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 10, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    relay = env.spawn("relay")
+    wait_until(lambda: outbox_count(env) == 0, 60, "the relay to run on the newer schema")
+    assert stop(relay) == 0
+    assert env.drain_and_check(produced).ok()
+
+
+def test_pg_dump_and_restore_keep_the_schema_version(env: Env) -> None:
+    """The version is a comment on the outbox table: a schema-only dump of the three tables,
+    restored into another database, says version 2 there, and the relay's check passes."""
+    pg_dump, psql = shutil.which("pg_dump"), shutil.which("psql")
+    assert pg_dump and psql, "pg_dump and psql: Debian's postgresql-client"
+    tables = Tables(env.table)
+    dumped = subprocess.run([pg_dump, "--schema-only", "--no-owner", *(
+        f"--table={name}" for name in (tables.name, tables.dead_letter_name,
+                                       tables.ledger_key_name)), env.db_url],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "COMMENT ON TABLE" in dumped
+    database = f"restored_{secrets.token_hex(4)}"
+    with env.connect() as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+    try:
+        other_url = make_conninfo(env.db_url, dbname=database)
+        restored = subprocess.run([psql, other_url, "-X", "-q", "-v", "ON_ERROR_STOP=1"],
+                                  input=dumped, capture_output=True, text=True, timeout=60)
+        assert restored.returncode == 0, restored.stderr
+        with psycopg.connect(other_url, autocommit=True) as conn:
+            found = schema_version(conn, tables)
+        assert (found.version, found.problem) == (SCHEMA_VERSION, None)
+    finally:
+        with env.connect() as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(database)))

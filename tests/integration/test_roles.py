@@ -50,19 +50,30 @@ def renv(pg_server: PostgresServer | External, rabbit: RabbitServer) -> Iterator
     finish_env(e)
 
 
-def psql(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def psql(url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("psql")
     assert binary, "psql not found: install Debian's postgresql-client (./dev installs postgresql)"
     return subprocess.run([binary, url, "-X", "-q", *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=60, check=False, input=stdin)
+
+
+def printed_roles() -> str:
+    """sql/roles.sql as the installed package prints it (`outbox-relay migrate --print-roles`)."""
+    printed = subprocess.run(launch.command("relay", "migrate", "--print-roles"), cwd=ROOT,
+                             env={"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == ROLES_SQL.read_text("utf-8")
+    return printed.stdout
 
 
 @pytest.fixture
 def roles(renv: Env) -> Iterator[dict[str, str]]:
-    """sql/roles.sql applied for this test's table; {role kind: PostgreSQL URL as that role}."""
+    """The roles of `outbox-relay migrate --print-roles | psql -f -` for this test's table (the
+    first time), of sql/roles.sql (again: idempotent); {role kind: PostgreSQL URL as that role}."""
     prefix = f"r{renv.gid_prefix}"
     result = psql(renv.db_url, "-v", f"table={renv.table}", "-v", f"roles={prefix}",
-                  "-f", str(ROLES_SQL))
+                  "-f", "-", stdin=printed_roles())
     assert result.returncode == 0, result.stderr
     again = psql(renv.db_url, "-v", f"table={renv.table}", "-v", f"roles={prefix}",
                  "-f", str(ROLES_SQL))
@@ -142,6 +153,11 @@ def test_each_program_works_as_its_least_privileged_role(
     # The migrate role owns the tables now: it applies the schema (idempotent) on its own.
     migrated = run_cli(env, "relay", "migrate", OUTBOX_DATABASE_URL=roles["migrate"])
     assert migrated.returncode == 0, migrated.stderr
+    # Every role reads the schema's version without a grant of its own (an init container).
+    for kind in ("relay", "operator", "service"):
+        checked = run_cli(env, "relay", "migrate", "--check", OUTBOX_DATABASE_URL=roles[kind])
+        assert checked.returncode == 0, (kind, checked.stderr)
+        assert "schema version 2 (current)" in checked.stdout
 
     # The service inserts events with nothing but its producer grant.
     # An exchange that exists but the relay's user may not write to.

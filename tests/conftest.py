@@ -1,8 +1,9 @@
 """Fixtures: real PostgreSQL (2PC on) and RabbitMQ, started from the installed binaries.
 
 Set OUTBOX_TEST_DATABASE_URL and OUTBOX_TEST_AMQP_URL to use running servers instead (the
-PostgreSQL one needs max_prepared_transactions > 0). A server that cannot be started or reached
-fails the tests that need it: nothing here ever skips.
+PostgreSQL one needs max_prepared_transactions > 0). OUTBOX_TEST_PG picks the PostgreSQL that
+every server the tests start runs (a major version or a bin directory: devenv.servers.pg_bindir).
+A server that cannot be started or reached fails the tests that need it: nothing here ever skips.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from psycopg import sql
 
 from devenv import checker, launch
-from devenv.servers import PostgresServer, RabbitServer
+from devenv.servers import PG_CHOICE_ENV, PostgresServer, RabbitServer, ServerError, pg_bindir, pg_version
 from outbox_relay.relay.settings import RelaySettings
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.runtime import backoff
@@ -45,6 +46,21 @@ def package_sources() -> list[Path]:
 
 # Reconnect backoff shrunk for tests (psycopg_pool style).
 backoff.INITIAL_DELAY = 0.05
+
+
+def pytest_report_header() -> list[str]:
+    """Which PostgreSQL the servers the tests start run, so a run's log says what it tested."""
+    choice = os.environ.get(PG_CHOICE_ENV, "")
+    try:
+        bindir = pg_bindir()
+        line = f"PostgreSQL {pg_version(bindir)} from {bindir}"
+    except ServerError as exc:  # the tests that start a server fail with the same message
+        line = f"PostgreSQL: {exc}"
+    if choice:
+        line += f" ({PG_CHOICE_ENV}={choice})"
+    if os.environ.get("OUTBOX_TEST_DATABASE_URL"):
+        line += "; the shared server is OUTBOX_TEST_DATABASE_URL's"
+    return [line]
 
 
 @dataclass

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
 
 
 def test_chaos_run_loses_nothing(tmp_path: Path) -> None:

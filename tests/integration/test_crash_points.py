@@ -15,6 +15,8 @@ from outbox_relay.relay.faults import CRASH_POINTS
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
 BATCH = 40
 # Crash points at which the broker may hold the batch while PostgreSQL rolls it back.
 MAY_DUPLICATE = {"mid_publish", "after_publish"}

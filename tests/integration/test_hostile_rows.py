@@ -23,6 +23,8 @@ from tests.conftest import Env
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
 from tests.integration.test_smoke_pipeline import make_relay
 
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
 NORMAL = 60  # normal events before and after the bad rows
 
 

@@ -19,6 +19,8 @@ from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_pipeline import json_lines, log_of, outbox_count, stop, wait_until
 
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
 BUDGET = 16 << 20
 
 

@@ -17,6 +17,8 @@ from devenv import checker
 from outbox_relay.tables import Tables
 from tests.conftest import Env
 
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout

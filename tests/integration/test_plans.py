@@ -37,6 +37,8 @@ from outbox_relay.relay.store import OutboxStore
 from outbox_relay.tables import Tables
 from tests.conftest import Env
 
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
 ROWS = 50_000
 BATCH = 2_000
 RETRY_ROWS = 500  # failed before, due later: in the way of the fresh rows' id order

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from devenv import checker
 from outbox_relay.relay.publisher import AmqpPublisher
 from outbox_relay.relay.store import OutboxStore
 from outbox_relay.relay.worker import Relay
 from tests.conftest import Env
+
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
 
 
 def make_relay(env: Env, **overrides: object) -> Relay:

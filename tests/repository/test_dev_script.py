@@ -77,3 +77,29 @@ def test_other_commands_install_their_own_groups(tmp_path: Path, command: str, g
     calls = run_setup(tmp_path, command)
     assert f"pip -m pip install -q -e .[binary]{groups}" in calls
     assert not [c for c in calls if "prometheus" in c]
+
+
+def run_ci(tmp_path: Path, failing_call: int) -> tuple[int, list[str]]:
+    """.ci/run with a stub ./dev that records each call (with OUTBOX_TEST_PG) and exits 5
+    ("no tests ran") at call number ``failing_call`` (0: never)."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    log = tmp_path / "calls"
+    (tmp_path / "dev").write_text(
+        f'#!/bin/sh\necho "${{OUTBOX_TEST_PG:-default}} $*" >> {log}\n'
+        f'[ "$(wc -l < {log})" -eq {failing_call} ] && exit 5\nexit 0\n')
+    (tmp_path / "dev").chmod(0o755)
+    done = subprocess.run(["/bin/bash", str(tmp_path / ".ci" / "run")], timeout=30, check=False,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    return done.returncode, log.read_text().splitlines() if log.exists() else []
+
+
+def test_ci_runs_the_suite_on_the_default_postgresql_then_the_core_on_18(tmp_path: Path) -> None:
+    assert run_ci(tmp_path, 0) == (0, ["default test", "18 test -m core"])
+
+
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_ci_fails_when_a_run_runs_no_test(tmp_path: Path, failing_call: int) -> None:
+    returncode, calls = run_ci(tmp_path, failing_call)
+    assert returncode == 5
+    assert len(calls) == failing_call  # nothing after the failure

@@ -198,7 +198,8 @@ def check_server(conn: psycopg.Connection[Any], tables: Tables | None = None) ->
     if max_prepared <= 0:
         raise StartupCheckError(
             "PostgreSQL has max_prepared_transactions = 0, so PREPARE TRANSACTION fails: set it "
-            "(e.g. to max_connections) in postgresql.conf and restart the server"
+            "(e.g. to max_connections) in postgresql.conf, or a managed service's parameter "
+            "group or flags, and restart the server"
         )
     if version < 130000:
         raise StartupCheckError("PostgreSQL 13 or newer is required")

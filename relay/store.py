@@ -86,6 +86,20 @@ def standby_flushed_query(standby: str) -> str:
             f"FROM pg_stat_replication WHERE state = 'streaming' AND {where}")
 
 
+def check_standby_wait_privilege(conn: psycopg.Connection[Any]) -> None:
+    """OUTBOX_STANDBY_WAIT reads the standbys' positions in pg_stat_replication, which shows
+    them to a superuser or a member of pg_read_all_stats (pg_monitor) only: without that, every
+    batch would wait its whole timeout and be rolled back, publishing nothing."""
+    row = conn.execute("SELECT rolsuper OR pg_catalog.pg_has_role(current_user, "
+                       "'pg_read_all_stats', 'USAGE') FROM pg_catalog.pg_roles "
+                       "WHERE rolname = current_user").fetchone()
+    if not (row and row[0]):
+        raise StartupCheckError(
+            "OUTBOX_STANDBY_WAIT is set but this role may not read the standbys' positions in "
+            "pg_stat_replication: GRANT pg_read_all_stats (or pg_monitor) TO it, or unset "
+            "OUTBOX_STANDBY_WAIT")
+
+
 def check_order_schema(conn: psycopg.Connection[Any], tables: Tables) -> None:
     """The claim's per-key order needs the key indexes and a read of dead-letter keys: without
     them it would read the table per row, or fail every claim. One clear line instead."""
@@ -167,6 +181,8 @@ class OutboxStore:
         self._claim = self.tables.query("claim")
         check_server(self._conn, self.tables)
         check_schema(self._conn, self.tables)
+        if self._standby_wait:
+            check_standby_wait_privilege(self._conn)
         if not self._standbys_checked:  # once per process, not at every reconnect
             warn_unchecked(check_standbys(self._url, self._conn, self._connect_timeout))
             self._standbys_checked = True

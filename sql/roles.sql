@@ -1,7 +1,8 @@
 -- outbox-relay: least-privilege roles. Plain SQL for psql, idempotent (run it again after a
 -- schema change, or with another table).
 --
--- Run it as a superuser, in the service's database, once the tables exist:
+-- Run it as a superuser (or, on a managed PostgreSQL, as its admin role: see
+-- docs/managed-postgresql.md), in the service's database, once the tables exist:
 --
 --   OUTBOX_DATABASE_URL="$ADMIN_URL" outbox-relay migrate     # or: migrate --print | psql
 --   psql "$ADMIN_URL" -v table=outbox -v roles=outbox -f sql/roles.sql
@@ -96,7 +97,15 @@ BEGIN
         EXECUTE format('CREATE ROLE %I NOLOGIN', producer_role);
     END IF;
 
-    -- migrate: owns the tables (and their identity sequences with them).
+    -- migrate: owns the tables (and their identity sequences with them). A role that is no
+    -- superuser (a managed service's admin: RDS, Aurora, Cloud SQL, Azure) may hand a table to
+    -- another role only as a member of it ("must be member of role" on 15, "must be able to SET
+    -- ROLE" from 16): it makes itself one first (as CREATEROLE, it has ADMIN on the roles it
+    -- created).
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+            AND NOT pg_has_role(current_user, migrate_role, 'USAGE') THEN
+        EXECUTE format('GRANT %I TO %I', migrate_role, current_user);
+    END IF;
     EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO %I', nsp, migrate_role);
     EXECUTE format('ALTER TABLE %s OWNER TO %I', outbox, migrate_role);
     EXECUTE format('ALTER TABLE %s OWNER TO %I', dead_letter, migrate_role);

@@ -1,9 +1,9 @@
 """docs/managed-postgresql.md's procedure on a real server. A managed PostgreSQL (RDS, Aurora,
 Cloud SQL, Azure) gives no superuser, only an admin role with CREATEROLE and CREATEDB
 (rds_superuser, cloudsqlsuperuser and azure_pg_admin are such roles, with more). As such a role:
-migrate, then sql/roles.sql, which stops at ALTER TABLE ... OWNER TO until the admin is a member
-of <roles>_migrate; granted that, it runs, and the relay and the resolver work as <roles>_relay
-through a crashed batch. And who may grant the standby wait's pg_read_all_stats."""
+migrate, then sql/roles.sql, which makes the admin a member of <roles>_migrate before handing it
+the tables (ALTER TABLE ... OWNER TO needs that of a non-superuser); the relay and the resolver
+then work as <roles>_relay through a crashed batch. And who may grant the standby wait's pg_read_all_stats."""
 
 from __future__ import annotations
 
@@ -75,20 +75,11 @@ def test_roles_sql_as_a_managed_admin_then_both_programs_as_the_relay_role(
     assert migrated.returncode == 0, migrated.stderr
 
     # No superuser: handing the tables to <roles>_migrate needs membership in it (15: "must be
-    # member of role", 16 and later: "must be able to SET ROLE").
-    refused = m.roles_sql()
-    assert refused.returncode != 0
-    assert f'OWNER TO {m.prefix}_migrate' in refused.stderr, refused.stderr
-    assert ("must be member of role" in refused.stderr
-            or "must be able to SET ROLE" in refused.stderr), refused.stderr
-
-    # The guide's step: the admin makes the role and grants it to itself, then roles.sql runs.
-    with psycopg.connect(env.db_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(f"{m.prefix}_migrate")))
-        admin.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(f"{m.prefix}_migrate"),
-                                                      sql.Identifier(m.admin)))
+    # member of role", 16 and later: "must be able to SET ROLE"); roles.sql grants it to the
+    # admin itself, which created the role (CREATEROLE: ADMIN on it).
     applied = m.roles_sql()
     assert applied.returncode == 0, applied.stderr
+    assert m.roles_sql().returncode == 0  # again: idempotent, the membership kept
     with psycopg.connect(env.db_url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
             sql.Identifier(f"{m.prefix}_service"), sql.Identifier(f"{m.prefix}_producer")))
@@ -138,3 +129,18 @@ def test_who_may_grant_the_standby_waits_pg_read_all_stats(managed: Managed) -> 
             sql.Identifier(m.admin)))
     with psycopg.connect(m.env.db_url, autocommit=True) as admin:
         admin.execute(sql.SQL("GRANT pg_read_all_stats TO {}").format(role))
+
+
+def test_the_standby_wait_without_pg_read_all_stats_stops_the_relay_at_start(
+        managed: Managed) -> None:
+    """Without pg_read_all_stats the relay would not see the standby's position: every batch
+    would wait its timeout and roll back, publishing nothing. It says so at start instead."""
+    env = managed.env
+    migrated = subprocess.run(launch.command("relay", "migrate"), env=env.cli_env(),
+                              capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert migrated.returncode == 0, migrated.stderr
+    done = subprocess.run(launch.command("relay"), env=env.cli_env(OUTBOX_STANDBY_WAIT="any"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 3, done.stderr
+    assert ("OUTBOX_STANDBY_WAIT is set but this role may not read the standbys' positions in "
+            "pg_stat_replication") in done.stderr, done.stderr

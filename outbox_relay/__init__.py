@@ -33,7 +33,14 @@ from outbox_relay.inbox import (
     Outcome,
     inbox_schema_sql,
 )
-from outbox_relay.producer import DEFAULT_MAX_MESSAGE_BYTES, Event, enqueue, enqueue_many, schema_sql
+from outbox_relay.producer import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Event,
+    JsonDefault,
+    enqueue,
+    enqueue_many,
+    schema_sql,
+)
 from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
 from outbox_relay.version import __version__
 
@@ -50,6 +57,7 @@ __all__ = [
     "InboxError",
     "InboxMessage",
     "InvalidEvent",
+    "JsonDefault",
     "NotInTransaction",
     "OnError",
     "OutboxError",

@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime, time
+from decimal import Decimal
+from enum import Enum
 from functools import cache
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
@@ -56,6 +58,60 @@ _LARGEST_ID = 2**63 - 1
 # refuses it.
 _JSON_NUL_RE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u0000")
 
+JsonDefault: TypeAlias = Callable[[Any], Any]
+"""A ``json_default`` hook: given an object the built-in encoding does not handle, it returns
+a JSON-serializable stand-in (which may hold the built-in types) or raises TypeError."""
+
+_UNKNOWN = object()
+
+
+def _builtin_json(value: object) -> object:
+    """The stand-in of a value json does not encode, as DjangoJSONEncoder writes it (plain
+    strings, readable in any language), or _UNKNOWN. Unlike Django, a datetime keeps its
+    microseconds (Django cuts them to milliseconds for ECMA-262; every usual parser reads six
+    digits, and an event's time is not rounded)."""
+    if isinstance(value, datetime):
+        text = value.isoformat()
+        return text[:-6] + "Z" if text.endswith("+00:00") else text
+    if isinstance(value, (date, time)):
+        return value.isoformat()
+    if isinstance(value, (Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, Enum):
+        return value.value
+    return _UNKNOWN
+
+
+def _refuse(value: object) -> None:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable "
+                    "(json_default= can encode it)")
+
+
+def _builtin_default(value: object) -> object:
+    found = _builtin_json(value)
+    if found is _UNKNOWN:
+        _refuse(value)
+    return found
+
+
+def _encoder(json_default: JsonDefault | None) -> json.JSONEncoder:
+    """The JSON encoder of payloads and headers: the built-in types, then ``json_default``."""
+    if json_default is None:
+        return _ENCODER
+    if not callable(json_default):
+        raise TypeError(f"json_default must be callable, got {type(json_default).__name__}")
+    hook = json_default
+
+    def default(value: object) -> object:
+        found = _builtin_json(value)
+        return hook(value) if found is _UNKNOWN else found
+
+    return json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=default)
+
+
+# jsonb refuses NaN and Infinity; text is kept as it is (PostgreSQL stores UTF-8).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=_builtin_default)
+
 
 @dataclass(frozen=True)
 class Event:
@@ -64,7 +120,7 @@ class Event:
     exchange: str
     routing_key: str
     payload: Any
-    message_id: str | None = None
+    message_id: str | uuid.UUID | None = None
     ordering_key: str | None = None
     headers: Mapping[str, Any] | None = None
     content_type: str | None = None
@@ -115,10 +171,10 @@ def _text(field: str, value: object, *, optional: bool = False) -> str | None:
     return value
 
 
-def _json(field: str, value: object) -> str:
+def _json(field: str, value: object, encoder: json.JSONEncoder) -> str:
     """``value`` as the JSON text PostgreSQL will store (jsonb refuses NaN, Infinity, \\u0000)."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = encoder.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidEvent(field, f"is not JSON-serializable: {exc}") from None
     if _JSON_NUL_RE.search(text):
@@ -130,7 +186,7 @@ def _json(field: str, value: object) -> str:
     return text
 
 
-def _headers(value: object) -> tuple[dict[str, Any], str]:
+def _headers(value: object, encoder: json.JSONEncoder) -> tuple[dict[str, Any], str]:
     """The headers as the relay will read them back from jsonb, and their JSON text."""
     if value is None:
         return {}, "{}"
@@ -142,14 +198,17 @@ def _headers(value: object) -> tuple[dict[str, Any], str]:
         if key in RELAY_HEADERS:
             raise InvalidEvent("headers", f"{key} is set by the relay (from ordering_key and "
                                           "the row's id); pass ordering_key instead")
-    text = _json("headers", dict(value))
+    text = _json("headers", dict(value), encoder)
     return json.loads(text), text
 
 
-def _row(event: Event, max_message_bytes: int) -> _Row:
+def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder) -> _Row:
     exchange = _text("exchange", event.exchange)
     routing_key = _text("routing_key", event.routing_key)
-    message_id = _text("message_id", event.message_id, optional=True) or str(uuid.uuid4())
+    given_id = event.message_id
+    if isinstance(given_id, uuid.UUID):
+        given_id = str(given_id)
+    message_id = _text("message_id", given_id, optional=True) or str(uuid.uuid4())
     ordering_key = _text("ordering_key", event.ordering_key, optional=True)
     content_type = _text("content_type", event.content_type, optional=True)
     assert exchange is not None and routing_key is not None
@@ -164,9 +223,9 @@ def _row(event: Event, max_message_bytes: int) -> _Row:
         payload_bytes = bytes(event.payload)
         body_size = len(payload_bytes)
     else:
-        payload = _json("payload", event.payload)
+        payload = _json("payload", event.payload, encoder)
         body_size = len(payload.encode())
-    headers, headers_text = _headers(event.headers)
+    headers, headers_text = _headers(event.headers, encoder)
     # The relay's checks with the relay's defaults for what the producer cannot see (the
     # broker's frame_max, OUTBOX_LEDGER_STREAM); created_at is now.
     found = publish_problem(
@@ -180,15 +239,17 @@ def _row(event: Event, max_message_bytes: int) -> _Row:
                 headers_text, content_type, available_at)
 
 
-def _prepare(events: Iterable[Event], table: str, max_message_bytes: int, *,
+def _prepare(events: Iterable[Event], table: str, max_message_bytes: int,
+             json_default: JsonDefault | None, *,
              single: bool) -> tuple[caller.Statement, dict[str, list[Any]], list[str]]:
     statement = _statement(table)
+    encoder = _encoder(json_default)
     rows: list[_Row] = []
     for index, event in enumerate(events):
         if not isinstance(event, Event):
             raise TypeError(f"event {index}: expected an outbox Event, got {type(event).__name__}")
         try:
-            rows.append(_row(event, max_message_bytes))
+            rows.append(_row(event, max_message_bytes, encoder))
         except InvalidEvent as exc:
             if single:
                 raise
@@ -217,24 +278,29 @@ async def _first(pending: Coroutine[Any, Any, list[str]]) -> str:
 
 @overload
 def enqueue_many(target: AsyncTarget, events: Iterable[Event], *, table: str = ...,
-                 max_message_bytes: int = ...) -> Coroutine[Any, Any, list[str]]: ...
+                 max_message_bytes: int = ...,
+                 json_default: JsonDefault | None = ...) -> Coroutine[Any, Any, list[str]]: ...
 
 
 @overload
 def enqueue_many(target: SyncTarget, events: Iterable[Event], *, table: str = ...,
-                 max_message_bytes: int = ...) -> list[str]: ...
+                 max_message_bytes: int = ...,
+                 json_default: JsonDefault | None = ...) -> list[str]: ...
 
 
 def enqueue_many(target: Any, events: Iterable[Event], *, table: str = "outbox",
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 json_default: JsonDefault | None = None) -> Any:
     """Add ``events`` to the outbox ``table`` in the caller's transaction, in one statement.
 
     Every event is checked before anything is written: the first bad one raises InvalidEvent
-    with its ``index``. Returns the message ids, in the order given (a coroutine of them for
-    an asynchronous target). Never commits.
+    with its ``index``. ``json_default`` encodes what the built-in encoding does not, in every
+    event (see ``enqueue``). Returns the message ids, in the order given (a coroutine of them
+    for an asynchronous target). Never commits.
     """
     kind = caller.kind_of(target)
-    statement, params, ids = _prepare(events, table, max_message_bytes, single=False)
+    statement, params, ids = _prepare(events, table, max_message_bytes, json_default,
+                                      single=False)
     if kind.is_async:
         return _run_async(target, statement, params, ids)
     if ids:
@@ -244,31 +310,38 @@ def enqueue_many(target: Any, events: Iterable[Event], *, table: str = "outbox",
 
 @overload
 def enqueue(target: AsyncTarget, *, exchange: str, routing_key: str, payload: Any,
-            message_id: str | None = ..., ordering_key: str | None = ...,
+            message_id: str | uuid.UUID | None = ..., ordering_key: str | None = ...,
             headers: Mapping[str, Any] | None = ..., content_type: str | None = ...,
             available_at: datetime | None = ..., table: str = ...,
-            max_message_bytes: int = ...) -> Coroutine[Any, Any, str]: ...
+            max_message_bytes: int = ...,
+            json_default: JsonDefault | None = ...) -> Coroutine[Any, Any, str]: ...
 
 
 @overload
 def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any,
-            message_id: str | None = ..., ordering_key: str | None = ...,
+            message_id: str | uuid.UUID | None = ..., ordering_key: str | None = ...,
             headers: Mapping[str, Any] | None = ..., content_type: str | None = ...,
             available_at: datetime | None = ..., table: str = ...,
-            max_message_bytes: int = ...) -> str: ...
+            max_message_bytes: int = ...,
+            json_default: JsonDefault | None = ...) -> str: ...
 
 
 def enqueue(target: Any, *, exchange: str, routing_key: str, payload: Any,
-            message_id: str | None = None, ordering_key: str | None = None,
+            message_id: str | uuid.UUID | None = None, ordering_key: str | None = None,
             headers: Mapping[str, Any] | None = None, content_type: str | None = None,
             available_at: datetime | None = None, table: str = "outbox",
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+            json_default: JsonDefault | None = None) -> Any:
     """Add one event to the outbox ``table`` in the caller's transaction; its message id.
 
     ``payload``: bytes (bytearray, memoryview) are sent as they are (``payload_bytes``,
     application/octet-stream); anything else is serialized to JSON (``payload``, sent as its
-    JSON text, application/json) — a ``str`` becomes a JSON string. ``message_id``: the dedup
-    key, a new UUID when None. ``headers``: a JSON object, sent as AMQP headers.
+    JSON text, application/json) — a ``str`` becomes a JSON string. Beyond what json encodes,
+    a datetime is written in ISO 8601 (``Z`` for UTC, microseconds kept), a date or time in
+    ISO 8601, a Decimal or UUID as its string, an Enum as its value; ``json_default`` is
+    called with anything else (a pydantic model, a dataclass) and returns a JSON-serializable
+    stand-in. ``message_id``: the dedup key (a str, or a UUID written as its string), a new
+    UUID when None. ``headers``: a JSON object (encoded as the payload), sent as AMQP headers.
     ``available_at``: a timezone-aware datetime before which the relay does not publish it.
     ``max_message_bytes``: the relay's OUTBOX_MAX_MESSAGE_BYTES. Raises InvalidEvent (naming
     the field) for what the relay would dead-letter, NotInTransaction on a connection that
@@ -278,7 +351,8 @@ def enqueue(target: Any, *, exchange: str, routing_key: str, payload: Any,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
                   content_type=content_type, available_at=available_at)
     kind = caller.kind_of(target)
-    statement, params, ids = _prepare([event], table, max_message_bytes, single=True)
+    statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
+                                      single=True)
     if kind.is_async:
         return _first(_run_async(target, statement, params, ids))
     caller.run(target, statement, params)
@@ -293,5 +367,5 @@ def schema_sql(table: str = "outbox") -> str:
     return schema.schema_sql(table)
 
 
-__all__: Sequence[str] = ["DEFAULT_MAX_MESSAGE_BYTES", "Event", "enqueue", "enqueue_many",
-                          "schema_sql"]
+__all__: Sequence[str] = ["DEFAULT_MAX_MESSAGE_BYTES", "Event", "JsonDefault", "enqueue",
+                          "enqueue_many", "schema_sql"]

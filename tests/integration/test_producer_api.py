@@ -6,12 +6,16 @@ own change; nothing is ever committed by the API."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 import json
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -353,3 +357,51 @@ def test_the_relay_publishes_what_enqueue_wrote_and_dead_letters_what_it_refuses
     routing_key, properties, body = got[raw]
     assert (routing_key, body, properties.content_type) == ("blob", b"\x01\x02", "application/x-blob")
     assert properties.headers is None  # no ordering key: nothing added
+
+
+class Status(enum.Enum):
+    PAID = "paid"
+
+
+@dataclasses.dataclass
+class Customer:
+    id: uuid.UUID
+    since: date
+
+
+def test_the_payloads_services_have_reach_the_consumer_as_plain_json(env: Env) -> None:
+    """Decimal, datetime, date, UUID and Enum (and a dataclass through json_default) in a
+    payload and its headers, a UUID as message id: stored by PostgreSQL, published by the
+    relay, read by a consumer as the strings the docs say."""
+    order = uuid.UUID("6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21")
+    paid_at = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
+    with psycopg.connect(env.db_url) as conn:
+        message_id = enqueue(
+            conn, exchange=env.exchange, routing_key="order.paid", message_id=order,
+            payload={"order_id": order, "amount": Decimal("19.90"), "paid_at": paid_at,
+                     "due": date(2024, 6, 1), "status": Status.PAID,
+                     "customer": Customer(uuid.UUID(int=7), date(2020, 1, 31))},
+            headers={"tenant": uuid.UUID(int=1), "status": Status.PAID},
+            json_default=dataclasses.asdict, table=env.table)
+        conn.commit()
+    assert message_id == str(order)
+    relay = env.spawn("relay")
+    try:
+        wait_until(lambda: outbox_count(env) == 0, 30, "the relay to empty the outbox")
+    finally:
+        assert stop(relay) == 0, log_of(relay)
+
+    connection = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
+    try:
+        method, properties, body = connection.channel().basic_get(env.queue, auto_ack=True)
+    finally:
+        connection.close()
+    assert method is not None
+    assert properties.message_id == "6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21"
+    assert json.loads(body) == {
+        "order_id": "6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21", "amount": "19.90",
+        "paid_at": "2024-05-06T07:08:09.123456Z", "due": "2024-06-01", "status": "paid",
+        "customer": {"id": "00000000-0000-0000-0000-000000000007", "since": "2020-01-31"}}
+    assert properties.headers == {"tenant": "00000000-0000-0000-0000-000000000001",
+                                  "status": "paid"}
+    assert properties.content_type == "application/json"

@@ -9,6 +9,8 @@ Producer: add events to the outbox in your own transaction::
         enqueue(conn, exchange="orders", routing_key="order.paid",
                 payload={"order_id": 42}, ordering_key="order-42")
 
+    await enqueue_async(aconn, ...)              # an asyncio connection or session
+
 Consumer: apply each event once, although the relay delivers at least once::
 
     from outbox_relay import Inbox
@@ -35,10 +37,13 @@ from outbox_relay.inbox import (
 )
 from outbox_relay.producer import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    Enqueueing,
     Event,
     JsonDefault,
     enqueue,
+    enqueue_async,
     enqueue_many,
+    enqueue_many_async,
     schema_sql,
 )
 from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
@@ -51,6 +56,7 @@ __all__ = [
     "POSITION_HEADER",
     "AsyncHandler",
     "ConfigError",
+    "Enqueueing",
     "Event",
     "Handler",
     "Inbox",
@@ -64,7 +70,9 @@ __all__ = [
     "Outcome",
     "__version__",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "inbox_schema_sql",
     "schema_sql",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol
 
@@ -29,11 +29,12 @@ from outbox_relay.errors import NotInTransaction
 
 
 class DBAPICursor(Protocol):
-    """A DB-API 2 cursor of a PostgreSQL driver with the ``pyformat`` paramstyle."""
+    """A DB-API 2 cursor of a PostgreSQL driver with the ``pyformat`` paramstyle. (``fetchall``
+    returns rows, not a coroutine: an asynchronous cursor is no DBAPICursor to a type checker.)"""
 
     def execute(self, query: Any, params: Any = ..., /) -> object: ...
 
-    def fetchall(self) -> Any: ...
+    def fetchall(self) -> Sequence[Any]: ...
 
 
 class Kind(Enum):

@@ -5,23 +5,32 @@ Both check every event against the relay's own rules first (outbox_relay.rules.p
 the function the relay dead-letters rows with) and raise InvalidEvent naming the field, so a bad
 event fails in the producer, before anything is written and with the caller's transaction still
 usable, instead of becoming a dead letter later. Neither commits: the event commits or rolls
-back with the caller's own change. The targets they take are listed in outbox_relay.caller; given an
-asynchronous one (psycopg AsyncConnection or AsyncCursor, SQLAlchemy AsyncSession or
-AsyncConnection) they return a coroutine to await.
+back with the caller's own change. The targets they take are listed in outbox_relay.caller.
+
+An asynchronous target (psycopg AsyncConnection or AsyncCursor, SQLAlchemy AsyncSession or
+AsyncConnection) takes ``await enqueue_async(...)`` / ``await enqueue_many_async(...)``; the
+synchronous names refuse it at once (TypeError), so a forgotten ``await`` cannot silently drop
+an event that way, and one forgotten on the async names is flagged by type checkers and
+reported when the coroutine is dropped (``Enqueueing``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
+import sys
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time
 from decimal import Decimal
 from enum import Enum
 from functools import cache
-from typing import TYPE_CHECKING, Any, TypeAlias, overload
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import psycopg
 
@@ -50,6 +59,8 @@ if TYPE_CHECKING:
                              | scoped_session[Any] | SAConnection | caller.DBAPICursor)
     AsyncTarget: TypeAlias = (psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
                               | AsyncSession | async_scoped_session[Any] | SAAsyncConnection)
+
+logger = logging.getLogger("outbox_relay")
 
 # An id larger than any the outbox will give: the headers of a keyed event are checked with
 # the position header at its largest encoding.
@@ -265,73 +276,148 @@ def _prepare(events: Iterable[Event], table: str, max_message_bytes: int,
     return statement, params, ids
 
 
-async def _run_async(target: Any, statement: caller.Statement, params: dict[str, list[Any]],
-                     ids: list[str]) -> list[str]:
+def _sync_kind(target: object, name: str) -> caller.Kind:
+    kind = caller.kind_of(target)
+    if kind.is_async:
+        raise TypeError(f"{name}() got a {type(target).__name__}, which is asynchronous: use "
+                        f"`await {name}_async(...)`")
+    return kind
+
+
+def _async_kind(target: object, name: str) -> caller.Kind:
+    kind = caller.kind_of(target)
+    if not kind.is_async:
+        raise TypeError(f"{name}_async() got a {type(target).__name__}, which is synchronous: "
+                        f"call {name}(...), without await")
+    return kind
+
+
+async def _insert_async(target: Any, statement: caller.Statement, params: dict[str, list[Any]],
+                        ids: list[str]) -> list[str]:
     if ids:
         await caller.run_async(target, statement, params)
     return ids
 
 
-async def _first(pending: Coroutine[Any, Any, list[str]]) -> str:
-    return (await pending)[0]
+async def _insert_one_async(target: Any, statement: caller.Statement,
+                            params: dict[str, list[Any]], ids: list[str]) -> str:
+    await caller.run_async(target, statement, params)
+    return ids[0]
 
 
-@overload
-def enqueue_many(target: AsyncTarget, events: Iterable[Event], *, table: str = ...,
-                 max_message_bytes: int = ...,
-                 json_default: JsonDefault | None = ...) -> Coroutine[Any, Any, list[str]]: ...
+_T = TypeVar("_T")
 
 
-@overload
-def enqueue_many(target: SyncTarget, events: Iterable[Event], *, table: str = ...,
-                 max_message_bytes: int = ...,
-                 json_default: JsonDefault | None = ...) -> list[str]: ...
+class Enqueueing(Coroutine[Any, Any, _T]):
+    """What ``enqueue_async`` and ``enqueue_many_async`` return: a coroutine that runs the
+    INSERT when awaited (the events were checked by the call already).
+
+    One that is never awaited writes nothing: the caller's transaction would commit its
+    change without the event. It is reported at once (CPython destroys it at the end of the
+    statement that dropped it, before the transaction can commit) with an ERROR log on the
+    ``outbox_relay`` logger and a RuntimeWarning that name the events, the call's place and
+    the fix. Type checkers flag the missing await before it runs: the functions are typed
+    to return a ``Coroutine`` (mypy's ``unused-coroutine``, on by default; pyright's
+    ``reportUnusedCoroutine`` reads the same type).
+    """
+
+    __slots__ = ("_closed", "_coro", "_ids", "_make", "_name", "_where")
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]], *, name: str,
+                 ids: list[str], where: str) -> None:
+        self._make: Callable[[], Coroutine[Any, Any, _T]] | None = make
+        self._coro: Coroutine[Any, Any, _T] | None = None
+        self._closed = False
+        self._name = name
+        self._ids = ids
+        self._where = where
+
+    def _started(self) -> Coroutine[Any, Any, _T]:
+        if self._coro is None:
+            if self._make is None:
+                raise RuntimeError("cannot await a closed coroutine")
+            self._coro, self._make = self._make(), None
+        return self._coro
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._started().__await__()
+
+    def send(self, value: Any, /) -> Any:
+        return self._started().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: TracebackType | None = None, /) -> Any:
+        coro = self._started()
+        if val is None and tb is None:
+            return coro.throw(typ)
+        return coro.throw(typ, val, tb)  # the old signature, for callers that still use it
+
+    def close(self) -> None:
+        """Close it without running it (on purpose: not reported)."""
+        if self._coro is None:
+            self._make = None
+            self._closed = True
+        else:
+            self._coro.close()
+
+    def __del__(self) -> None:
+        if self._coro is None and not self._closed:
+            _never_awaited(self._name, self._ids, self._where)
 
 
-def enqueue_many(target: Any, events: Iterable[Event], *, table: str = "outbox",
+def _never_awaited(name: str, ids: list[str], where: str) -> None:
+    shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+    message = (f"{name}() called at {where} was never awaited: {len(ids)} event(s) NOT written "
+               f"to the outbox (message id {shown}); write `await {name}(...)`")
+    logger.error(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _caller_place() -> str:
+    """Where the API was called from (the caller of enqueue_async), for the report."""
+    frame = sys._getframe(2)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def enqueue_many(target: SyncTarget, events: Iterable[Event], *, table: str = "outbox",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 json_default: JsonDefault | None = None) -> Any:
+                 json_default: JsonDefault | None = None) -> list[str]:
     """Add ``events`` to the outbox ``table`` in the caller's transaction, in one statement.
 
     Every event is checked before anything is written: the first bad one raises InvalidEvent
     with its ``index``. ``json_default`` encodes what the built-in encoding does not, in every
-    event (see ``enqueue``). Returns the message ids, in the order given (a coroutine of them
-    for an asynchronous target). Never commits.
+    event (see ``enqueue``). Returns the message ids, in the order given. Never commits. An
+    asynchronous target is refused (TypeError): use ``await enqueue_many_async(...)``.
     """
-    kind = caller.kind_of(target)
+    _sync_kind(target, "enqueue_many")
     statement, params, ids = _prepare(events, table, max_message_bytes, json_default,
                                       single=False)
-    if kind.is_async:
-        return _run_async(target, statement, params, ids)
     if ids:
         caller.run(target, statement, params)
     return ids
 
 
-@overload
-def enqueue(target: AsyncTarget, *, exchange: str, routing_key: str, payload: Any,
-            message_id: str | uuid.UUID | None = ..., ordering_key: str | None = ...,
-            headers: Mapping[str, Any] | None = ..., content_type: str | None = ...,
-            available_at: datetime | None = ..., table: str = ...,
-            max_message_bytes: int = ...,
-            json_default: JsonDefault | None = ...) -> Coroutine[Any, Any, str]: ...
+def enqueue_many_async(target: AsyncTarget, events: Iterable[Event], *, table: str = "outbox",
+                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                       json_default: JsonDefault | None = None
+                       ) -> Coroutine[Any, Any, list[str]]:
+    """``enqueue_many`` on an asynchronous target: ``await enqueue_many_async(conn, events)``.
+
+    The events are checked by the call (InvalidEvent is raised before any await); the INSERT
+    runs when the result is awaited. Never awaited, nothing is written: see ``Enqueueing``.
+    """
+    _async_kind(target, "enqueue_many")
+    statement, params, ids = _prepare(events, table, max_message_bytes, json_default,
+                                      single=False)
+    return Enqueueing(functools.partial(_insert_async, target, statement, params, ids),
+                      name="enqueue_many_async", ids=ids, where=_caller_place())
 
 
-@overload
 def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any,
-            message_id: str | uuid.UUID | None = ..., ordering_key: str | None = ...,
-            headers: Mapping[str, Any] | None = ..., content_type: str | None = ...,
-            available_at: datetime | None = ..., table: str = ...,
-            max_message_bytes: int = ...,
-            json_default: JsonDefault | None = ...) -> str: ...
-
-
-def enqueue(target: Any, *, exchange: str, routing_key: str, payload: Any,
             message_id: str | uuid.UUID | None = None, ordering_key: str | None = None,
             headers: Mapping[str, Any] | None = None, content_type: str | None = None,
             available_at: datetime | None = None, table: str = "outbox",
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-            json_default: JsonDefault | None = None) -> Any:
+            json_default: JsonDefault | None = None) -> str:
     """Add one event to the outbox ``table`` in the caller's transaction; its message id.
 
     ``payload``: bytes (bytearray, memoryview) are sent as they are (``payload_bytes``,
@@ -345,18 +431,39 @@ def enqueue(target: Any, *, exchange: str, routing_key: str, payload: Any,
     ``available_at``: a timezone-aware datetime before which the relay does not publish it.
     ``max_message_bytes``: the relay's OUTBOX_MAX_MESSAGE_BYTES. Raises InvalidEvent (naming
     the field) for what the relay would dead-letter, NotInTransaction on a connection that
-    would commit the event on its own. Never commits.
+    would commit the event on its own, TypeError for an asynchronous target (use ``await
+    enqueue_async(...)``). Never commits.
     """
+    _sync_kind(target, "enqueue")
     event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
                   content_type=content_type, available_at=available_at)
-    kind = caller.kind_of(target)
     statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
                                       single=True)
-    if kind.is_async:
-        return _first(_run_async(target, statement, params, ids))
     caller.run(target, statement, params)
     return ids[0]
+
+
+def enqueue_async(target: AsyncTarget, *, exchange: str, routing_key: str, payload: Any,
+                  message_id: str | uuid.UUID | None = None, ordering_key: str | None = None,
+                  headers: Mapping[str, Any] | None = None, content_type: str | None = None,
+                  available_at: datetime | None = None, table: str = "outbox",
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  json_default: JsonDefault | None = None) -> Coroutine[Any, Any, str]:
+    """``enqueue`` on an asynchronous target (psycopg AsyncConnection or AsyncCursor,
+    SQLAlchemy AsyncSession or AsyncConnection): ``await enqueue_async(conn, ...)``.
+
+    The event is checked by the call (InvalidEvent is raised before any await); the INSERT
+    runs when the result is awaited. Never awaited, nothing is written: see ``Enqueueing``.
+    """
+    _async_kind(target, "enqueue")
+    event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
+                  message_id=message_id, ordering_key=ordering_key, headers=headers,
+                  content_type=content_type, available_at=available_at)
+    statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
+                                      single=True)
+    return Enqueueing(functools.partial(_insert_one_async, target, statement, params, ids),
+                      name="enqueue_async", ids=ids, where=_caller_place())
 
 
 def schema_sql(table: str = "outbox") -> str:
@@ -367,5 +474,6 @@ def schema_sql(table: str = "outbox") -> str:
     return schema.schema_sql(table)
 
 
-__all__: Sequence[str] = ["DEFAULT_MAX_MESSAGE_BYTES", "Event", "JsonDefault", "enqueue",
-                          "enqueue_many", "schema_sql"]
+__all__: Sequence[str] = ["DEFAULT_MAX_MESSAGE_BYTES", "Enqueueing", "Event", "JsonDefault",
+                          "enqueue", "enqueue_async", "enqueue_many", "enqueue_many_async",
+                          "schema_sql"]

@@ -34,7 +34,9 @@ from outbox_relay import (
     InvalidEvent,
     NotInTransaction,
     enqueue,
+    enqueue_async,
     enqueue_many,
+    enqueue_many_async,
 )
 from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env
@@ -152,19 +154,52 @@ def test_psycopg_batch_gets_ids_in_the_given_order_with_every_kind_of_value(env:
 def test_psycopg_async_connection_and_cursor(env: Env) -> None:
     async def main() -> tuple[str, list[str]]:
         async with await psycopg.AsyncConnection.connect(env.db_url) as conn:
-            one = await enqueue(conn, exchange="", routing_key="q", payload={"a": 1},
-                                table=env.table)
+            one = await enqueue_async(conn, exchange="", routing_key="q", payload={"a": 1},
+                                      table=env.table)
             async with conn.cursor() as cur:
-                many = await enqueue_many(cur, [Event("", "q", 2), Event("", "q", b"3")],
-                                          table=env.table)
+                many = await enqueue_many_async(cur, [Event("", "q", 2), Event("", "q", b"3")],
+                                                table=env.table)
             await conn.commit()
         async with await psycopg.AsyncConnection.connect(env.db_url, autocommit=True) as conn:
             with pytest.raises(NotInTransaction):
-                await enqueue(conn, exchange="", routing_key="q", payload=1, table=env.table)
+                await enqueue_async(conn, exchange="", routing_key="q", payload=1,
+                                    table=env.table)
         return one, many
 
     one, many = asyncio.run(main())
     assert [r["message_id"] for r in rows(env)] == [one, *many]
+
+
+def test_psycopg_async_a_forgotten_await_is_never_a_silent_loss(
+        env: Env, notes: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The sync name on an async connection raises at once: the caller's transaction rolls
+    back, its change with it. The async name without await writes nothing and says so at the
+    line that dropped it, before the transaction commits."""
+    insert_note = sql.SQL("INSERT INTO {} VALUES ('paid')").format(sql.Identifier(notes))
+
+    async def main() -> tuple[int, int]:
+        async with await psycopg.AsyncConnection.connect(env.db_url) as conn:
+            with pytest.raises(TypeError, match="await enqueue_async"):
+                async with conn.transaction():
+                    await conn.execute(insert_note)
+                    enqueue(conn, exchange="", routing_key="q", payload=1,  # type: ignore[arg-type]
+                            table=env.table)
+            with pytest.warns(RuntimeWarning, match="never awaited"):
+                async with conn.transaction():
+                    await conn.execute(insert_note)
+                    enqueue_async(conn, exchange="", routing_key="q", payload=2,
+                                  message_id="dropped", table=env.table)
+                    reported_before_commit = len(caplog.records)
+            await conn.commit()
+        return reported_before_commit, len(caplog.records)
+
+    reported_before_commit, reported = asyncio.run(main())
+    assert reported_before_commit == reported == 1
+    assert "message id dropped" in caplog.records[0].getMessage()
+    assert caplog.records[0].levelname == "ERROR"
+    # The first transaction rolled back whole; the second committed its change without the
+    # event it dropped (what the report is for): nothing else was written.
+    assert note_count(env, notes) == 1 and outbox_count(env) == 0
 
 
 # -- SQLAlchemy -------------------------------------------------------------------------------
@@ -204,14 +239,16 @@ def test_sqlalchemy_async_session_and_connection(env: Env) -> None:
         engine = create_async_engine(sqlalchemy_url(env))
         try:
             async with AsyncSession(engine) as session:
-                one = await enqueue(session, exchange="", routing_key="q", payload=b"bytes",
-                                    table=env.table)
+                one = await enqueue_async(session, exchange="", routing_key="q",
+                                          payload=b"bytes", table=env.table)
                 await session.commit()
             async with engine.begin() as connection:
-                many = await enqueue_many(connection, [Event("", "q", {"n": 1}),
-                                                       Event("", "q", {"n": 2})], table=env.table)
+                many = await enqueue_many_async(connection, [Event("", "q", {"n": 1}),
+                                                             Event("", "q", {"n": 2})],
+                                                table=env.table)
             async with engine.connect() as connection:
-                await enqueue(connection, exchange="", routing_key="q", payload=0, table=env.table)
+                await enqueue_async(connection, exchange="", routing_key="q", payload=0,
+                                    table=env.table)
                 await connection.rollback()
         finally:
             await engine.dispose()

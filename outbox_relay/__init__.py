@@ -18,6 +18,9 @@ Consumer: apply each event once, although the relay delivers at least once::
     inbox = Inbox("inbox", consumer="billing")
     channel.basic_consume("billing.orders", inbox.pika_callback(db, apply_payment))
 
+A service's unit tests can record events without a database: ``outbox_relay.testing``
+(``RecordingOutbox``, imported from there only).
+
 The implementation lives in ``outbox_relay.producer`` and ``outbox_relay.inbox``; this package
 is the one import a service needs, and it loads neither program (``outbox_relay.relay``,
 ``outbox_relay.resolver``) nor pika. SQLAlchemy and aio-pika are optional (extras ``sqlalchemy`` and

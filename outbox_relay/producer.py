@@ -53,12 +53,16 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
     from sqlalchemy.orm import Session, scoped_session
 
+    from outbox_relay.testing import RecordingOutbox
+
     # What the API takes (outbox_relay.caller): a Django connection or cursor is a DBAPICursor or
-    # is typed Any by Django itself.
+    # is typed Any by Django itself. The test double is both.
     SyncTarget: TypeAlias = (psycopg.Connection[Any] | psycopg.Cursor[Any] | Session
-                             | scoped_session[Any] | SAConnection | caller.DBAPICursor)
+                             | scoped_session[Any] | SAConnection | caller.DBAPICursor
+                             | RecordingOutbox)
     AsyncTarget: TypeAlias = (psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
-                              | AsyncSession | async_scoped_session[Any] | SAAsyncConnection)
+                              | AsyncSession | async_scoped_session[Any] | SAAsyncConnection
+                              | RecordingOutbox)
 
 logger = logging.getLogger("outbox_relay")
 
@@ -286,23 +290,34 @@ def _sync_kind(target: object, name: str) -> caller.Kind:
 
 def _async_kind(target: object, name: str) -> caller.Kind:
     kind = caller.kind_of(target)
-    if not kind.is_async:
+    if not kind.is_async and kind is not caller.Kind.RECORDING:
         raise TypeError(f"{name}_async() got a {type(target).__name__}, which is synchronous: "
                         f"call {name}(...), without await")
     return kind
 
 
-async def _insert_async(target: Any, statement: caller.Statement, params: dict[str, list[Any]],
+def _insert(target: Any, kind: caller.Kind, table: str, statement: caller.Statement,
+            params: dict[str, list[Any]]) -> None:
+    if kind is caller.Kind.RECORDING:
+        target._write(table, params)
+    else:
+        caller.run(target, statement, params)
+
+
+async def _insert_async(target: Any, kind: caller.Kind, table: str,
+                        statement: caller.Statement, params: dict[str, list[Any]],
                         ids: list[str]) -> list[str]:
-    if ids:
+    if ids and kind is caller.Kind.RECORDING:
+        target._write(table, params)
+    elif ids:
         await caller.run_async(target, statement, params)
     return ids
 
 
-async def _insert_one_async(target: Any, statement: caller.Statement,
-                            params: dict[str, list[Any]], ids: list[str]) -> str:
-    await caller.run_async(target, statement, params)
-    return ids[0]
+async def _insert_one_async(target: Any, kind: caller.Kind, table: str,
+                            statement: caller.Statement, params: dict[str, list[Any]],
+                            ids: list[str]) -> str:
+    return (await _insert_async(target, kind, table, statement, params, ids))[0]
 
 
 _T = TypeVar("_T")
@@ -321,13 +336,14 @@ class Enqueueing(Coroutine[Any, Any, _T]):
     ``reportUnusedCoroutine`` reads the same type).
     """
 
-    __slots__ = ("_closed", "_coro", "_ids", "_make", "_name", "_where")
+    __slots__ = ("_closed", "_coro", "_ids", "_make", "_name", "_target", "_where")
 
-    def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]], *, name: str,
-                 ids: list[str], where: str) -> None:
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]], *, target: object,
+                 name: str, ids: list[str], where: str) -> None:
         self._make: Callable[[], Coroutine[Any, Any, _T]] | None = make
         self._coro: Coroutine[Any, Any, _T] | None = None
         self._closed = False
+        self._target: object = target
         self._name = name
         self._ids = ids
         self._where = where
@@ -336,7 +352,7 @@ class Enqueueing(Coroutine[Any, Any, _T]):
         if self._coro is None:
             if self._make is None:
                 raise RuntimeError("cannot await a closed coroutine")
-            self._coro, self._make = self._make(), None
+            self._coro, self._make, self._target = self._make(), None, None
         return self._coro
 
     def __await__(self) -> Generator[Any, None, _T]:
@@ -354,20 +370,22 @@ class Enqueueing(Coroutine[Any, Any, _T]):
     def close(self) -> None:
         """Close it without running it (on purpose: not reported)."""
         if self._coro is None:
-            self._make = None
+            self._make = self._target = None
             self._closed = True
         else:
             self._coro.close()
 
     def __del__(self) -> None:
         if self._coro is None and not self._closed:
-            _never_awaited(self._name, self._ids, self._where)
+            _never_awaited(self._target, self._name, self._ids, self._where)
 
 
-def _never_awaited(name: str, ids: list[str], where: str) -> None:
+def _never_awaited(target: object, name: str, ids: list[str], where: str) -> None:
     shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
     message = (f"{name}() called at {where} was never awaited: {len(ids)} event(s) NOT written "
                f"to the outbox (message id {shown}); write `await {name}(...)`")
+    if caller.kind_of(target) is caller.Kind.RECORDING:
+        target._never_awaited(message)  # type: ignore[attr-defined]  # its test fails
     logger.error(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
 
@@ -388,11 +406,11 @@ def enqueue_many(target: SyncTarget, events: Iterable[Event], *, table: str = "o
     event (see ``enqueue``). Returns the message ids, in the order given. Never commits. An
     asynchronous target is refused (TypeError): use ``await enqueue_many_async(...)``.
     """
-    _sync_kind(target, "enqueue_many")
+    kind = _sync_kind(target, "enqueue_many")
     statement, params, ids = _prepare(events, table, max_message_bytes, json_default,
                                       single=False)
     if ids:
-        caller.run(target, statement, params)
+        _insert(target, kind, table, statement, params)
     return ids
 
 
@@ -405,11 +423,12 @@ def enqueue_many_async(target: AsyncTarget, events: Iterable[Event], *, table: s
     The events are checked by the call (InvalidEvent is raised before any await); the INSERT
     runs when the result is awaited. Never awaited, nothing is written: see ``Enqueueing``.
     """
-    _async_kind(target, "enqueue_many")
+    kind = _async_kind(target, "enqueue_many")
     statement, params, ids = _prepare(events, table, max_message_bytes, json_default,
                                       single=False)
-    return Enqueueing(functools.partial(_insert_async, target, statement, params, ids),
-                      name="enqueue_many_async", ids=ids, where=_caller_place())
+    return Enqueueing(functools.partial(_insert_async, target, kind, table, statement, params,
+                                        ids),
+                      target=target, name="enqueue_many_async", ids=ids, where=_caller_place())
 
 
 def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any,
@@ -434,13 +453,13 @@ def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any
     would commit the event on its own, TypeError for an asynchronous target (use ``await
     enqueue_async(...)``). Never commits.
     """
-    _sync_kind(target, "enqueue")
+    kind = _sync_kind(target, "enqueue")
     event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
                   content_type=content_type, available_at=available_at)
     statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
                                       single=True)
-    caller.run(target, statement, params)
+    _insert(target, kind, table, statement, params)
     return ids[0]
 
 
@@ -456,14 +475,15 @@ def enqueue_async(target: AsyncTarget, *, exchange: str, routing_key: str, paylo
     The event is checked by the call (InvalidEvent is raised before any await); the INSERT
     runs when the result is awaited. Never awaited, nothing is written: see ``Enqueueing``.
     """
-    _async_kind(target, "enqueue")
+    kind = _async_kind(target, "enqueue")
     event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
                   content_type=content_type, available_at=available_at)
     statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
                                       single=True)
-    return Enqueueing(functools.partial(_insert_one_async, target, statement, params, ids),
-                      name="enqueue_async", ids=ids, where=_caller_place())
+    return Enqueueing(functools.partial(_insert_one_async, target, kind, table, statement,
+                                        params, ids),
+                      target=target, name="enqueue_async", ids=ids, where=_caller_place())
 
 
 def schema_sql(table: str = "outbox") -> str:

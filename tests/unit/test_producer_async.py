@@ -110,7 +110,9 @@ def test_one_never_awaited_is_reported_when_it_is_dropped_with_its_ids_and_place
     assert record.getMessage() == (
         f"enqueue_async() called at {__file__}:{line} was never awaited: 1 event(s) NOT "
         "written to the outbox (message id forgotten-1); write `await enqueue_async(...)`")
+    # The warning is shown at the call, as Python's own for a coroutine never awaited.
     assert str(warned[0].message) == record.getMessage()
+    assert (warned[0].filename, warned[0].lineno) == (__file__, line)
     assert executed == []
 
 

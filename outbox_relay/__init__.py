@@ -9,12 +9,17 @@ Producer: add events to the outbox in your own transaction::
         enqueue(conn, exchange="orders", routing_key="order.paid",
                 payload={"order_id": 42}, ordering_key="order-42")
 
+    await enqueue_async(aconn, ...)              # an asyncio connection or session
+
 Consumer: apply each event once, although the relay delivers at least once::
 
     from outbox_relay import Inbox
 
     inbox = Inbox("inbox", consumer="billing")
     channel.basic_consume("billing.orders", inbox.pika_callback(db, apply_payment))
+
+A service's unit tests can record events without a database: ``outbox_relay.testing``
+(``RecordingOutbox``, imported from there only).
 
 The implementation lives in ``outbox_relay.producer`` and ``outbox_relay.inbox``; this package
 is the one import a service needs, and it loads neither program (``outbox_relay.relay``,
@@ -33,7 +38,17 @@ from outbox_relay.inbox import (
     Outcome,
     inbox_schema_sql,
 )
-from outbox_relay.producer import DEFAULT_MAX_MESSAGE_BYTES, Event, enqueue, enqueue_many, schema_sql
+from outbox_relay.producer import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Enqueueing,
+    Event,
+    JsonDefault,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+    enqueue_many_async,
+    schema_sql,
+)
 from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
 from outbox_relay.version import __version__
 
@@ -44,19 +59,23 @@ __all__ = [
     "POSITION_HEADER",
     "AsyncHandler",
     "ConfigError",
+    "Enqueueing",
     "Event",
     "Handler",
     "Inbox",
     "InboxError",
     "InboxMessage",
     "InvalidEvent",
+    "JsonDefault",
     "NotInTransaction",
     "OnError",
     "OutboxError",
     "Outcome",
     "__version__",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "inbox_schema_sql",
     "schema_sql",
 ]

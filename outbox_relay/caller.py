@@ -6,7 +6,8 @@ or Connection (sync or async, any PostgreSQL driver), a Django connection or cur
 DB-API cursor of a PostgreSQL driver with the ``pyformat`` paramstyle (psycopg2). Nothing here
 commits, rolls back or opens a transaction; a target that would commit the statement on its
 own (autocommit, outside a transaction block) is refused with NotInTransaction where that can
-be told.
+be told. The test double outbox_relay.testing.RecordingOutbox is recognised too (Kind.RECORDING):
+the producer API records events in it instead of running its statement.
 
 SQLAlchemy and Django are never imported here: a target is recognised through the modules the
 service has already imported, so neither is a dependency of the relay's image.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol
 
@@ -29,11 +30,12 @@ from outbox_relay.errors import NotInTransaction
 
 
 class DBAPICursor(Protocol):
-    """A DB-API 2 cursor of a PostgreSQL driver with the ``pyformat`` paramstyle."""
+    """A DB-API 2 cursor of a PostgreSQL driver with the ``pyformat`` paramstyle. (``fetchall``
+    returns rows, not a coroutine: an asynchronous cursor is no DBAPICursor to a type checker.)"""
 
     def execute(self, query: Any, params: Any = ..., /) -> object: ...
 
-    def fetchall(self) -> Any: ...
+    def fetchall(self) -> Sequence[Any]: ...
 
 
 class Kind(Enum):
@@ -44,6 +46,9 @@ class Kind(Enum):
     DJANGO_CONNECTION = "django connection"
     DJANGO_CURSOR = "django cursor"
     DBAPI = "dbapi"
+    # outbox_relay.testing.RecordingOutbox: runs no SQL; the producer API records events in it,
+    # sync or async.
+    RECORDING = "recording outbox"
 
     @property
     def is_async(self) -> bool:
@@ -85,6 +90,8 @@ def kind_of(target: object) -> Kind:
         return Kind.PSYCOPG
     if isinstance(target, (psycopg.AsyncConnection, psycopg.AsyncCursor)):
         return Kind.PSYCOPG_ASYNC
+    if _isinstance(target, "outbox_relay.testing", "RecordingOutbox"):
+        return Kind.RECORDING
     if _isinstance(target, "sqlalchemy.ext.asyncio", "AsyncSession", "AsyncConnection",
                    "async_scoped_session"):
         return Kind.SQLALCHEMY_ASYNC
@@ -155,6 +162,8 @@ def run(target: Any, statement: Statement, params: Mapping[str, Any]) -> list[tu
     if kind in (Kind.DJANGO_CURSOR, Kind.DBAPI):
         target.execute(statement.text, params)
         return _rows(target)
+    if kind is Kind.RECORDING:
+        raise TypeError(_RECORDS_EVENTS_ONLY)
     raise TypeError(f"{type(target).__name__} is asynchronous: await the call")
 
 
@@ -173,4 +182,10 @@ async def run_async(target: Any, statement: Statement,
 
         result = await target.execute(text(statement.sqlalchemy_text), dict(params))
         return [_tuple(r) for r in result] if result.returns_rows else []
+    if kind is Kind.RECORDING:
+        raise TypeError(_RECORDS_EVENTS_ONLY)
     raise TypeError(f"{type(target).__name__} is synchronous: call it without await")
+
+
+_RECORDS_EVENTS_ONLY = ("a RecordingOutbox records what enqueue and enqueue_many write; it runs "
+                        "no other SQL")

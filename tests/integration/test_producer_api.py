@@ -6,12 +6,16 @@ own change; nothing is ever committed by the API."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 import json
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,9 +34,12 @@ from outbox_relay import (
     InvalidEvent,
     NotInTransaction,
     enqueue,
+    enqueue_async,
     enqueue_many,
+    enqueue_many_async,
 )
 from outbox_relay.tables import Tables
+from outbox_relay.testing import RecordingOutbox
 from tests.conftest import ROOT, Env
 from tests.integration.test_pipeline import log_of, outbox_count, stop, wait_until
 
@@ -148,19 +155,52 @@ def test_psycopg_batch_gets_ids_in_the_given_order_with_every_kind_of_value(env:
 def test_psycopg_async_connection_and_cursor(env: Env) -> None:
     async def main() -> tuple[str, list[str]]:
         async with await psycopg.AsyncConnection.connect(env.db_url) as conn:
-            one = await enqueue(conn, exchange="", routing_key="q", payload={"a": 1},
-                                table=env.table)
+            one = await enqueue_async(conn, exchange="", routing_key="q", payload={"a": 1},
+                                      table=env.table)
             async with conn.cursor() as cur:
-                many = await enqueue_many(cur, [Event("", "q", 2), Event("", "q", b"3")],
-                                          table=env.table)
+                many = await enqueue_many_async(cur, [Event("", "q", 2), Event("", "q", b"3")],
+                                                table=env.table)
             await conn.commit()
         async with await psycopg.AsyncConnection.connect(env.db_url, autocommit=True) as conn:
             with pytest.raises(NotInTransaction):
-                await enqueue(conn, exchange="", routing_key="q", payload=1, table=env.table)
+                await enqueue_async(conn, exchange="", routing_key="q", payload=1,
+                                    table=env.table)
         return one, many
 
     one, many = asyncio.run(main())
     assert [r["message_id"] for r in rows(env)] == [one, *many]
+
+
+def test_psycopg_async_a_forgotten_await_is_never_a_silent_loss(
+        env: Env, notes: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The sync name on an async connection raises at once: the caller's transaction rolls
+    back, its change with it. The async name without await writes nothing and says so at the
+    line that dropped it, before the transaction commits."""
+    insert_note = sql.SQL("INSERT INTO {} VALUES ('paid')").format(sql.Identifier(notes))
+
+    async def main() -> tuple[int, int]:
+        async with await psycopg.AsyncConnection.connect(env.db_url) as conn:
+            with pytest.raises(TypeError, match="await enqueue_async"):
+                async with conn.transaction():
+                    await conn.execute(insert_note)
+                    enqueue(conn, exchange="", routing_key="q", payload=1,  # type: ignore[arg-type]
+                            table=env.table)
+            with pytest.warns(RuntimeWarning, match="never awaited"):
+                async with conn.transaction():
+                    await conn.execute(insert_note)
+                    enqueue_async(conn, exchange="", routing_key="q", payload=2,
+                                  message_id="dropped", table=env.table)
+                    reported_before_commit = len(caplog.records)
+            await conn.commit()
+        return reported_before_commit, len(caplog.records)
+
+    reported_before_commit, reported = asyncio.run(main())
+    assert reported_before_commit == reported == 1
+    assert "message id dropped" in caplog.records[0].getMessage()
+    assert caplog.records[0].levelname == "ERROR"
+    # The first transaction rolled back whole; the second committed its change without the
+    # event it dropped (what the report is for): nothing else was written.
+    assert note_count(env, notes) == 1 and outbox_count(env) == 0
 
 
 # -- SQLAlchemy -------------------------------------------------------------------------------
@@ -200,14 +240,16 @@ def test_sqlalchemy_async_session_and_connection(env: Env) -> None:
         engine = create_async_engine(sqlalchemy_url(env))
         try:
             async with AsyncSession(engine) as session:
-                one = await enqueue(session, exchange="", routing_key="q", payload=b"bytes",
-                                    table=env.table)
+                one = await enqueue_async(session, exchange="", routing_key="q",
+                                          payload=b"bytes", table=env.table)
                 await session.commit()
             async with engine.begin() as connection:
-                many = await enqueue_many(connection, [Event("", "q", {"n": 1}),
-                                                       Event("", "q", {"n": 2})], table=env.table)
+                many = await enqueue_many_async(connection, [Event("", "q", {"n": 1}),
+                                                             Event("", "q", {"n": 2})],
+                                                table=env.table)
             async with engine.connect() as connection:
-                await enqueue(connection, exchange="", routing_key="q", payload=0, table=env.table)
+                await enqueue_async(connection, exchange="", routing_key="q", payload=0,
+                                    table=env.table)
                 await connection.rollback()
         finally:
             await engine.dispose()
@@ -353,3 +395,63 @@ def test_the_relay_publishes_what_enqueue_wrote_and_dead_letters_what_it_refuses
     routing_key, properties, body = got[raw]
     assert (routing_key, body, properties.content_type) == ("blob", b"\x01\x02", "application/x-blob")
     assert properties.headers is None  # no ordering key: nothing added
+
+
+class Status(enum.Enum):
+    PAID = "paid"
+
+
+@dataclasses.dataclass
+class Customer:
+    id: uuid.UUID
+    since: date
+
+
+def test_the_payloads_services_have_reach_the_consumer_as_plain_json(env: Env) -> None:
+    """Decimal, datetime, date, UUID and Enum (and a dataclass through json_default) in a
+    payload and its headers, a UUID as message id: stored by PostgreSQL, published by the
+    relay, read by a consumer as the strings the docs say."""
+    order = uuid.UUID("6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21")
+    paid_at = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
+    event: dict[str, Any] = dict(
+        exchange=env.exchange, routing_key="order.paid", message_id=order,
+        payload={"order_id": order, "amount": Decimal("19.90"), "paid_at": paid_at,
+                 "due": date(2024, 6, 1), "status": Status.PAID,
+                 "customer": Customer(uuid.UUID(int=7), date(2020, 1, 31))},
+        headers={"tenant": uuid.UUID(int=1), "status": Status.PAID},
+        json_default=dataclasses.asdict, table=env.table)
+    with psycopg.connect(env.db_url) as conn:
+        message_id = enqueue(conn, **event)
+        conn.commit()
+    assert message_id == str(order)
+    recording = RecordingOutbox()  # what a service's unit test would have seen
+    enqueue(recording, **event)
+    recording.commit()
+    recorded = recording.assert_enqueued()
+    relay = env.spawn("relay")
+    try:
+        wait_until(lambda: outbox_count(env) == 0, 30, "the relay to empty the outbox")
+    finally:
+        assert stop(relay) == 0, log_of(relay)
+
+    connection = pika.BlockingConnection(pika.URLParameters(env.amqp_url))
+    try:
+        method, properties, body = connection.channel().basic_get(env.queue, auto_ack=True)
+    finally:
+        connection.close()
+    assert method is not None
+    assert properties.message_id == "6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21"
+    assert json.loads(body) == {
+        "order_id": "6f1c2a9e-2f4b-4c1e-9a57-0c8d7a3e5b21", "amount": "19.90",
+        "paid_at": "2024-05-06T07:08:09.123456Z", "due": "2024-06-01", "status": "paid",
+        "customer": {"id": "00000000-0000-0000-0000-000000000007", "since": "2020-01-31"}}
+    assert properties.headers == {"tenant": "00000000-0000-0000-0000-000000000001",
+                                  "status": "paid"}
+    assert properties.content_type == "application/json"
+    # The test double recorded the message as the relay sent it (the body's text aside:
+    # PostgreSQL's jsonb writes its own).
+    assert (recorded.message_id, recorded.exchange, recorded.routing_key) == (
+        properties.message_id, env.exchange, method.routing_key)
+    assert recorded.payload == json.loads(body) and json.loads(recorded.body) == json.loads(body)
+    assert (recorded.content_type, recorded.headers) == (properties.content_type,
+                                                         properties.headers)

@@ -39,6 +39,14 @@ def test_the_library_loads_no_program_and_no_pika() -> None:
     assert of(modules, ("relay", "resolver", "sql")) == []
 
 
+# The test double in use, sync and async.
+RECORDING = ("import asyncio; from outbox_relay.testing import RecordingOutbox; "
+             "from outbox_relay import enqueue, enqueue_async; o = RecordingOutbox(); "
+             "enqueue(o, exchange='e', routing_key='r', payload={'a': 1}); "
+             "asyncio.run(enqueue_async(o, exchange='e', routing_key='r', payload=2)); "
+             "o.commit(); assert len(o.find(routing_key='r')) == 2")
+
+
 @pytest.mark.parametrize("statement", [
     # The producer's checks with a plain and a keyed event: the header table is encoded by
     # struct (outbox_relay.properties), pika is not needed to measure it.
@@ -50,9 +58,20 @@ def test_the_library_loads_no_program_and_no_pika() -> None:
     # Alembic's filter and the schema's helpers import neither Alembic nor SQLAlchemy.
     "from outbox_relay.alembic import include_object; "
     "from outbox_relay.schema import drop_schema_sql, roles_sql; drop_schema_sql('o'); roles_sql()",
+    RECORDING,
 ])
 def test_using_the_library_loads_no_program(statement: str) -> None:
     assert of(loaded_after(f"import outbox_relay; {statement}"), NOT_FOR_SERVICES) == []
+
+
+def test_the_test_double_loads_nothing_the_library_does_not() -> None:
+    """A service's unit tests import outbox_relay.testing: no pika, no more of psycopg than the
+    library's own import, no program, nothing but the module itself (compared with the library
+    once it has read its INSERT statement, and asyncio)."""
+    library = set(loaded_after("import asyncio, outbox_relay.producer; "
+                               "outbox_relay.producer._statement('outbox')"))
+    assert sorted(set(loaded_after(f"import outbox_relay; {RECORDING}")) - library) == [
+        "outbox_relay.testing"]
 
 
 def test_a_header_table_of_another_shape_is_measured_by_pika() -> None:

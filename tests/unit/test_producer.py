@@ -161,11 +161,18 @@ def test_a_value_of_the_wrong_type_is_refused(field: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize("payload", [{1, 2}, object(), float("nan"), {"x": float("inf")},
-                                     {"amount": __import__("decimal").Decimal("1.5")}])
+                                     {"amount": b"bytes"}, {uuid.UUID(int=1): "a key"}])
 def test_a_payload_that_is_not_json_is_refused(payload: Any) -> None:
     error = refused(payload=payload)
 
     assert error.field == "payload" and "not JSON-serializable" in error.reason
+
+
+def test_an_object_no_encoding_knows_is_refused_with_a_pointer_to_the_hook() -> None:
+    error = refused(payload={"n": {1, 2}})
+
+    assert error.reason == ("is not JSON-serializable: Object of type set is not JSON "
+                            "serializable (json_default= can encode it)")
 
 
 def test_a_json_payload_holding_nul_is_refused_but_an_escaped_backslash_u0000_is_not() -> None:

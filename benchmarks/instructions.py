@@ -5,8 +5,9 @@ next, and a change worth a few per cent shows only here.
     python -m benchmarks.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys] [--out JSON]
 
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
-  key, but the two headers a keyed message gets written in the headers column), in one Python
-  process under callgrind, minus the same process building the rows only;
+  key, but two headers as large as a keyed message's written in the headers column, under the
+  stand-in names of benchmarks.workload.KEY_HEADER_STAND_INS: a row may not set the relay's
+  own), in one Python process under callgrind, minus the same process building the rows only;
 - claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
   session's backend only, minus a session that runs the claim once on the empty table (its
@@ -30,12 +31,11 @@ import psycopg
 from psycopg import sql
 
 from benchmarks.callgrind import backend_total, callgrind_server, stop_server
-from benchmarks.workload import KEY_SQL, say, write_results
+from benchmarks.workload import KEY_HEADER_STAND_INS, KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from outbox_relay.model import OutboxRow
 from outbox_relay.relay.messages import to_message
 from outbox_relay.relay.store import claim_session
-from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
 
@@ -48,7 +48,8 @@ _COLLECTED = re.compile(r"Collected : (\d+)")
 def _row(n: int, shape: str, keys: int) -> OutboxRow:
     """A claimed row as the claim fetches it, about the benchmark's size."""
     key = f"k{n % keys}" if shape == "keys" else None
-    headers = (json.dumps({ORDERING_KEY_HEADER: f"k{n % keys}", POSITION_HEADER: n})
+    key_name, position_name = KEY_HEADER_STAND_INS
+    headers = (json.dumps({key_name: f"k{n % keys}", position_name: n})
                if shape == "headers" else "{}")
     return OutboxRow(id=n, message_id=f"bench-{n}", exchange="bench.events",
                      routing_key="bench.0", ordering_key=key,

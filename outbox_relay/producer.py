@@ -29,8 +29,6 @@ from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     DEFAULT_LEDGER_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
-    RELAY_HEADERS,
-    message_headers,
     publish_problem,
 )
 from outbox_relay.sql import api_queries
@@ -49,9 +47,6 @@ if TYPE_CHECKING:
     AsyncTarget: TypeAlias = (psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
                               | AsyncSession | async_scoped_session[Any] | SAAsyncConnection)
 
-# An id larger than any the outbox will give: the headers of a keyed event are checked with
-# the position header at its largest encoding.
-_LARGEST_ID = 2**63 - 1
 # A JSON text holding a NUL character (\u0000 not preceded by an escaped backslash): jsonb
 # refuses it.
 _JSON_NUL_RE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u0000")
@@ -139,9 +134,6 @@ def _headers(value: object) -> tuple[dict[str, Any], str]:
     for key in value:
         if not isinstance(key, str):
             raise InvalidEvent("headers", f"keys must be str, got {type(key).__name__}")
-        if key in RELAY_HEADERS:
-            raise InvalidEvent("headers", f"{key} is set by the relay (from ordering_key and "
-                                          "the row's id); pass ordering_key instead")
     text = _json("headers", dict(value))
     return json.loads(text), text
 
@@ -171,7 +163,7 @@ def _row(event: Event, max_message_bytes: int) -> _Row:
     # broker's frame_max, OUTBOX_LEDGER_STREAM); created_at is now.
     found = publish_problem(
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
-        headers=message_headers(headers, ordering_key, _LARGEST_ID), content_type=content_type,
+        headers=headers, ordering_key=ordering_key, content_type=content_type,
         json_payload=payload is not None, max_message_bytes=max_message_bytes,
         frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM)
     if found is not None:

@@ -25,6 +25,7 @@ from outbox_relay.rules import (
     field_problem,
     message_headers,
     property_fields,
+    relay_headers_problem,
     short_reason,
 )
 
@@ -67,6 +68,9 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
             headers, undecodable = decode_headers(row.headers)
             if undecodable is not None:
                 return Unpublishable(undecodable)
+            forged = relay_headers_problem(headers)
+            if forged is not None:
+                return Unpublishable(forged.reason)
         headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
         found = field_problem(

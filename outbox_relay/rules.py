@@ -49,8 +49,10 @@ ORDERING_KEY_HEADER = "x-ordering-key"
 POSITION_HEADER = "x-outbox-id"
 RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
 # The largest id an outbox row can have (bigint): the producer API measures a keyed event's
-# header table with the position at its longest encoding.
+# header table with the position at its longest encoding, and every event's header frame with
+# the longest user_id a relay's connection can set (its user's name, unknown to a producer).
 LARGEST_POSITION = 2**63 - 1
+LONGEST_USER_ID = "u" * SHORTSTR_MAX
 # The headers column as the claim returns it when a producer sets none (its default).
 EMPTY_HEADERS = "{}"
 # A header frame around its properties: frame type, channel and size, class, weight and body
@@ -180,10 +182,11 @@ def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size
 
 
 def property_fields(message_id: str, content_type: str, table: Mapping[str, Any] | None,
-                    created_at: float) -> dict[str, Any]:
-    """The AMQP properties of a message (persistent), by pika's names."""
+                    created_at: float, user_id: str | None = None) -> dict[str, Any]:
+    """The AMQP properties of a message (persistent), by pika's names. ``user_id``: the user
+    of the relay's connection, which RabbitMQ checks (none from the producer API)."""
     return {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-            "headers": table or None, "timestamp": int(created_at)}
+            "headers": table or None, "timestamp": int(created_at), "user_id": user_id}
 
 
 def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
@@ -236,11 +239,12 @@ def publish_problem(
 
     ``headers`` is the decoded JSON value of the headers column (None: empty), the row's own:
     the relay's are added to it for an ``ordering_key`` (with the largest position, since the
-    row's id is not known yet). ``body_size`` is the payload's size in bytes (a JSON payload's
-    UTF-8 text), ``created_at`` a datetime or epoch seconds (None: now). ``frame_max`` is the
-    broker's (the relay uses the value its connection negotiated), ``ledger_stream`` the
-    relay's OUTBOX_LEDGER_STREAM. The broker's verdicts (unroutable, no such exchange,
-    refused) are not foreseen here.
+    row's id is not known yet), and the header frame is measured with the longest user_id
+    (the relay's user is not known either). ``body_size`` is the payload's size in bytes (a
+    JSON payload's UTF-8 text), ``created_at`` a datetime or epoch seconds (None: now).
+    ``frame_max`` is the broker's (the relay uses the value its connection negotiated),
+    ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts (unroutable, no
+    such exchange, refused) are not foreseen here.
     """
     stamp = datetime.now(timezone.utc).timestamp() if created_at is None else _epoch(created_at)
     headers = {} if headers is None else headers
@@ -255,7 +259,8 @@ def publish_problem(
         max_message_bytes=max_message_bytes, ledger_stream=ledger_stream)
     if error is not None:
         return error
-    fields = property_fields(message_id, content_type, amqp_value(headers), stamp)
+    fields = property_fields(message_id, content_type, amqp_value(headers), stamp,
+                             LONGEST_USER_ID)
     return encoding_problem(fields, body_size=body_size, frame_max=frame_max)[0]
 
 

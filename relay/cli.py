@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     publisher = AmqpPublisher(
         settings.amqp_url, ledger_stream=settings.ledger_stream,
         ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.confirm_timeout,
-        connect_timeout=settings.connect_timeout, fault=fault)
+        connect_timeout=settings.connect_timeout, user_id=settings.amqp_user_id, fault=fault)
     relay = Relay(settings, store, publisher, metrics=relay_metrics, health=health, fault=fault,
                   shutdown=shutdown)
     publisher.name = f"outbox-relay {relay.instance_name}"

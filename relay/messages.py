@@ -43,10 +43,11 @@ class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no t
 
 
 def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
-            timestamp: int) -> BasicProperties:
+            timestamp: int, user_id: str | None = None) -> BasicProperties:
     """Persistent message properties: encoded beforehand when their shape allows, else pika's."""
-    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-              "headers": headers or None, "timestamp": timestamp}
+    fields: dict[str, Any] = {"delivery_mode": 2, "message_id": message_id,
+                              "content_type": content_type, "headers": headers or None,
+                              "timestamp": timestamp, "user_id": user_id}
     return _properties(fields, properties.wire(**fields))
 
 
@@ -55,10 +56,14 @@ def _properties(fields: Mapping[str, Any], wire: bytes | None) -> BasicPropertie
 
 
 def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME_MAX,
-               ledger_stream: str | None = None) -> Message | Unpublishable:
+               ledger_stream: str | None = None,
+               user_id: str | None = None) -> Message | Unpublishable:
     """A message for ``row``, or why it can never be published (it is dead-lettered).
 
-    Never raises for a row's content: a row is decoded and checked here, on its own.
+    ``user_id``: the user of the relay's broker connection, set as the message's user_id
+    property; RabbitMQ refuses any other, so a consumer can tell a relay's message (and its
+    order headers) from another publisher's. Never raises for a row's content: a row is
+    decoded and checked here, on its own.
     """
     try:
         flat = row.headers == EMPTY_HEADERS
@@ -80,7 +85,8 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
             max_message_bytes=max_bytes, ledger_stream=ledger_stream, flat=flat)
         if found is None:
             fields = property_fields(row.message_id, content_type,
-                                     headers if flat else amqp_value(headers), row.created_epoch)
+                                     headers if flat else amqp_value(headers), row.created_epoch,
+                                     user_id)
             found, wire = encoding_problem(fields, body_size=len(row.body), frame_max=frame_max)
     except (RecursionError, ValueError, OverflowError, TypeError, MemoryError) as exc:
         return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {short_reason(exc)}")

@@ -396,8 +396,9 @@ def test_publish_problem_agrees_with_to_message() -> None:
 
 
 def test_publish_problem_measures_a_keyed_event_with_the_relays_headers() -> None:
-    # A header frame of 131,061 bytes alone, 131,072 at most: no room for the relay's two.
-    fits = {"h": "x" * 131_000}
+    # A header frame of 131,061 bytes alone (with the longest user_id), 131,072 at most: no
+    # room for the relay's two.
+    fits = {"h": "x" * 130_744}
     frame = publish_problem(message_id="m", exchange="e", routing_key="r", body_size=1,
                             headers=fits, max_message_bytes=10)
     keyed = publish_problem(message_id="m", exchange="e", routing_key="r", body_size=1,
@@ -405,6 +406,20 @@ def test_publish_problem_measures_a_keyed_event_with_the_relays_headers() -> Non
 
     assert frame is None
     assert keyed is not None and keyed.reason.startswith("headers make a header frame")
+
+
+def test_publish_problem_measures_the_frame_with_the_longest_user_id() -> None:
+    # The relay sets user_id to its connection's user (up to 255 bytes): a producer cannot know
+    # it, so its check leaves room for the longest; the relay's own is exact.
+    headers = {"h": "x" * 130_800}
+    found = publish_problem(message_id="evt-7", exchange="events", routing_key="order.created",
+                            body_size=13, headers=headers, created_at=CREATED,
+                            max_message_bytes=1000)
+    for user_id in (None, "outbox-relay", "u" * 255):
+        built = to_message(row(headers=headers, ordering_key=None), max_bytes=1000,
+                           user_id=user_id)
+        assert isinstance(built, Message) == (user_id != "u" * 255), user_id
+    assert found is not None and found.reason.startswith("headers make a header frame of 131121 bytes")
 
 
 @pytest.mark.parametrize("key", [None, "order-1", "", "ключ-€-😀", "k" * 300])

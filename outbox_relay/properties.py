@@ -30,10 +30,9 @@ FLAG_TIMESTAMP = 1 << 6
 FLAG_USER_ID = 1 << 4
 
 _FLAGS = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTAMP
-# By (headers, user_id) present: the two bytes of flags.
-_FLAG_BYTES = {(headers, user): struct.pack(">H", _FLAGS | (FLAG_HEADERS if headers else 0)
-                                            | (FLAG_USER_ID if user else 0))
-               for headers in (False, True) for user in (False, True)}
+# The two bytes of flags, by 2 * (headers present) + (user_id present).
+_FLAG_BYTES = tuple(struct.pack(">H", _FLAGS | (FLAG_HEADERS if shape & 2 else 0)
+                                | (FLAG_USER_ID if shape & 1 else 0)) for shape in range(4))
 _INT32 = struct.Struct(">ci")
 _INT64 = struct.Struct(">cq")
 _LONG_STRING = struct.Struct(">cI")
@@ -57,6 +56,18 @@ def _name(text: str) -> bytes | None:
     """_short of a string that repeats from message to message (a header name, a content type):
     cached, up to a bounded number of short ones (a producer may send a new name every row)."""
     return _short_cached(text) if len(text) <= 255 else None
+
+
+# _short of the user ids a process sets (a relay: its connection's user, on every message),
+# looked up in wire() without a call; a few at most (cleared past 16).
+_USERS: dict[str, bytes | None] = {}
+
+
+def _user(text: str) -> bytes | None:
+    if len(_USERS) >= 16:
+        _USERS.clear()
+    found = _USERS[text] = _short(text)
+    return found
 
 
 def _table(headers: Mapping[str, Any]) -> bytes | None:
@@ -93,13 +104,13 @@ def wire(*, delivery_mode: int, message_id: str, content_type: str,
         return None
     try:
         parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
-                 b"" if user_id is None else _name(user_id))
+                 b"" if user_id is None else _USERS.get(user_id) or _user(user_id))
     except UnicodeEncodeError:  # a lone surrogate: pika raises it when publishing, as before
         return None
     content, table, ident, user = parts
     if content is None or table is None or ident is None or user is None \
             or not 0 <= timestamp < 1 << 64:
         return None
-    flags = _FLAG_BYTES[bool(headers), user_id is not None]
+    flags = _FLAG_BYTES[(2 if headers else 0) + (user_id is not None)]
     return b"".join((flags, content, table, _PERSISTENT_BYTE, ident, _TIMESTAMP.pack(timestamp),
                      user))

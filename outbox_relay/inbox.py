@@ -463,9 +463,9 @@ class Inbox:
         return on_message
 
     def _log_failure(self, exc: Exception, message: InboxMessage | None, requeue: bool) -> None:
-        log.warning(
+        log.warning(  # %r: a message id is a producer's text, escaped (no forged log lines)
             "inbox %s: message %s not processed (%s: %s); %s", self.consumer,
-            message.message_id if message else "without message_id", type(exc).__name__, exc,
+            repr(message.message_id) if message else "without message_id", type(exc).__name__, exc,
             "requeued" if requeue else "rejected (dead-lettered if the queue has a DLX)",
             extra={"action": "inbox_message_failed", "consumer": self.consumer,
                    "message_id": message.message_id if message else None,

@@ -19,6 +19,7 @@ from outbox_relay.relay.store import OutboxStore
 from outbox_relay.relay.worker import Relay, relay_health
 from outbox_relay.runtime import http, logs, options
 from outbox_relay.runtime.exits import EXIT_OK, EXIT_STARTUP, run_program
+from outbox_relay.runtime.logs import printable
 from outbox_relay.runtime.signals import Shutdown
 from outbox_relay.schema import migrate, schema_sql
 from outbox_relay.tables import Tables
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    required=True)
     listing = dead_sub.add_parser(
         "list", help="print the dead letters, oldest first (tab-separated: id, message_id, "
-        "exchange, routing_key, attempts, dead_at, last_error)")
+        "exchange, routing_key, attempts, dead_at, last_error; control characters escaped)")
     listing.add_argument("--limit", type=_positive_int, default=100, metavar="N",
                          help="print at most N rows (default: 100)")
     listing.add_argument("--json", action="store_true", help="print a JSON array instead")
@@ -157,9 +158,13 @@ def _dead_letter_command(args: argparse.Namespace, database_url: str, tables: Ta
                 sys.stdout.write("\n")
             else:
                 for r in rows:
-                    error = " ".join(r.last_error.split())  # one line each, whatever the error
-                    print("\t".join((str(r.id), r.message_id, r.exchange, r.routing_key,
-                                     str(r.attempts), r.dead_at.isoformat(), error)))
+                    # One line each, whatever the producer's text holds: its control characters
+                    # (a tab, a newline, a terminal's escape sequence) escaped, and the error's
+                    # lines joined.
+                    error = printable(" ".join(r.last_error.split()))
+                    print("\t".join((str(r.id), printable(r.message_id), printable(r.exchange),
+                                     printable(r.routing_key), str(r.attempts),
+                                     r.dead_at.isoformat(), error)))
             if total > len(rows):
                 print(f"outbox-relay: {len(rows)} of {total} dead letters shown (--limit)",
                       file=sys.stderr)

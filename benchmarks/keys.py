@@ -1,6 +1,7 @@
 """Per-key order's cost: relay x1 and x4 on events with N distinct ordering keys, against the
-same relays on events without a key, and on events without a key that carry the two headers a
-keyed message gets (x-ordering-key, x-outbox-id): the headers' cost and the order's apart.
+same relays on events without a key, and on events without a key that carry two headers as
+large as those a keyed message gets (x-ordering-key, x-outbox-id; under stand-in names,
+benchmarks.workload.KEY_HEADER_STAND_INS): the headers' cost and the order's apart.
 Each also as a ratio to the ceiling of its round.
 
 Both as the relay's loop in benchmark processes on a pre-filled outbox (throughput.py) and as
@@ -26,8 +27,9 @@ from benchmarks import ceiling, cli_relays, throughput
 from benchmarks.workload import Servers, say
 
 RELAYS = (1, 4)
-# Rows without a key that carry the two headers the relay adds to a keyed row's message: keyed
-# rows against these measure the order alone, these against keyless rows the headers alone.
+# Rows without a key that carry stand-ins of the two headers the relay adds to a keyed row's
+# message: keyed rows against these measure the order alone, these against keyless rows the
+# headers alone.
 HEADERS = "headers"
 TARGET_KEYS = 10_000  # with this many keys, the rate must stay >= TARGET_RATIO of keyless
 TARGET_RATIO = 0.9

@@ -45,6 +45,9 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "headers_not_object": {"headers": Jsonb(["not", "an", "object"])},
     "headers_over_frame_max": {"headers": Jsonb({"big": "x" * 200_000})},
     "header_int_too_big": {"headers": Jsonb({"n": 2**70})},
+    # The relay's order headers on a keyless row, at the largest position: an inbox with the
+    # per-key check would skip every later event of the key (issue 32).
+    "forged_order_headers": {"headers": Jsonb({"x-ordering-key": "k1", "x-outbox-id": 2**63 - 1})},
     "created_infinity": {"created_at": "infinity"},
     "created_minus_infinity": {"created_at": "-infinity"},
     "created_bc": {"created_at": "4713-01-01 00:00:00+00 BC"},

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
@@ -64,6 +65,7 @@ class Outcome(Enum):
     APPLIED = "applied"  # first copy: recorded, and the handler ran in the same transaction
     DUPLICATE = "duplicate"  # its message_id was already recorded: the handler did not run
     STALE = "stale"  # check_order: older than the last event applied for its key; not run
+    # (only a message a relay published: see Inbox's relay_users)
 
 
 class OnError(Enum):
@@ -86,6 +88,9 @@ class InboxMessage:
     exchange: str = ""
     content_type: str | None = None
     redelivered: bool = False
+    # The AMQP user_id property: the user that published it, which RabbitMQ checks against
+    # the publishing connection's user (a relay sets its own).
+    user_id: str | None = None
 
     @property
     def ordering_key(self) -> str | None:
@@ -110,7 +115,7 @@ class InboxMessage:
         return cls(message_id=_message_id(properties.message_id), body=bytes(body),
                    headers=dict(properties.headers or {}), routing_key=method.routing_key or "",
                    exchange=method.exchange or "", content_type=properties.content_type,
-                   redelivered=bool(method.redelivered))
+                   redelivered=bool(method.redelivered), user_id=properties.user_id)
 
     @classmethod
     def from_aio_pika(cls, message: AbstractIncomingMessage) -> InboxMessage:
@@ -118,7 +123,26 @@ class InboxMessage:
         return cls(message_id=_message_id(message.message_id), body=bytes(message.body),
                    headers=dict(message.headers or {}), routing_key=message.routing_key or "",
                    exchange=message.exchange or "", content_type=message.content_type,
-                   redelivered=bool(message.redelivered))
+                   redelivered=bool(message.redelivered), user_id=message.user_id)
+
+
+def _relay_users(users: Iterable[str] | None, check_order: bool) -> frozenset[str]:
+    if users is None:
+        if check_order:
+            raise ConfigError(
+                "check_order needs relay_users: the RabbitMQ users your relays publish as "
+                "(OUTBOX_AMQP_USER_ID, by default the user of OUTBOX_AMQP_URL); the order "
+                "headers of a message another user published are not trusted")
+        return frozenset()
+    if isinstance(users, (str, bytes)):
+        raise ConfigError("relay_users must be a collection of user names, not one str")
+    found = frozenset(users)
+    if check_order and not found:
+        raise ConfigError("relay_users is empty: check_order would trust no message")
+    for user in found:
+        if not isinstance(user, str) or not user:
+            raise ConfigError(f"relay_users must hold non-empty str, got {user!r}")
+    return found
 
 
 def _message_id(value: object) -> str:
@@ -172,12 +196,26 @@ class Inbox:
     ``check_order``: also refuse (Outcome.STALE) an event older than the last one applied for
     its ordering key, as told by the headers x-ordering-key and x-outbox-id that the relay sets
     on rows with an ordering_key. A message without them is applied as usual.
+    ``relay_users``: with ``check_order`` (required then), the RabbitMQ users the relays
+    publish as (their OUTBOX_AMQP_USER_ID, by default the user of their OUTBOX_AMQP_URL). The
+    headers are trusted only on a message whose user_id is one of them: RabbitMQ refuses a
+    user_id other than the publisher's own user, so no other user of the vhost can move a
+    key's position. Any other message with the headers is applied without the check (its
+    position neither checked nor recorded), counted in ``untrusted_order`` and logged
+    (action inbox_order_untrusted): refusing it would lose a genuine event to a
+    misconfiguration, while applying it is all its publisher could have had anyway.
     ``retries``: runs of a transaction that PostgreSQL aborted with a serialization failure or
     a deadlock (the handler runs again each time; nothing of an aborted run is stored).
+
+    Counters, since the inbox was made (the inbox has no metrics of its own: export them from
+    your service): ``stale_skipped``, the events ``record`` found STALE (each also logged, action
+    inbox_event_stale: its effect was never applied), and ``untrusted_order``. A transaction run
+    again (``retries``) counts again.
     """
 
     def __init__(self, table: str = "inbox", *, consumer: str = "default",
-                 check_order: bool = False, retries: int = 3) -> None:
+                 check_order: bool = False, relay_users: Iterable[str] | None = None,
+                 retries: int = 3) -> None:
         if not isinstance(consumer, str) or not consumer:
             raise ConfigError("consumer must be a non-empty str")
         if retries < 1:
@@ -185,7 +223,11 @@ class Inbox:
         self.table = table
         self.consumer = consumer
         self.check_order = check_order
+        self.relay_users = _relay_users(relay_users, check_order)
         self.retries = retries
+        self.stale_skipped = 0
+        self.untrusted_order = 0
+        self._counting = threading.Lock()
         self._tables = _Tables(table)
         queries = api_queries()
         self._record = caller.Statement(self._tables.compose(queries["inbox_record"]))
@@ -233,18 +275,49 @@ class Inbox:
 
     def _params(self, message: InboxMessage) -> dict[str, Any]:
         key, position = message.ordering_key, message.position
-        if not self.check_order or key is None or position is None:
+        if not self.check_order or key is None or position is None \
+                or message.user_id not in self.relay_users:
             key = position = None
         return {"consumer": self.consumer, "message_id": message.message_id,
                 "ordering_key": key, "position": position}
 
-    def _outcome(self, params: Mapping[str, Any], rows: list[tuple[Any, ...]]) -> Outcome:
+    def _outcome(self, message: InboxMessage, params: Mapping[str, Any],
+                 rows: list[tuple[Any, ...]]) -> Outcome:
         recorded, advanced = rows[0]
+        if self.check_order and params["ordering_key"] is None \
+                and message.ordering_key is not None and message.position is not None:
+            self._untrusted(message)
         if not recorded:
             return Outcome.DUPLICATE
         if params["ordering_key"] is not None and not advanced:
+            self._stale(message)
             return Outcome.STALE
         return Outcome.APPLIED
+
+    def _count(self, name: str) -> None:
+        with self._counting:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def _stale(self, message: InboxMessage) -> None:
+        self._count("stale_skipped")
+        # %r: the key and message id are a producer's text, escaped (no forged log lines).
+        log.warning(
+            "inbox %s: event %r skipped, handler not run: position %d of key %r is not past "
+            "the last one applied", self.consumer, message.message_id, message.position,
+            message.ordering_key,
+            extra={"action": "inbox_event_stale", "consumer": self.consumer,
+                   "message_id": message.message_id, "ordering_key": message.ordering_key,
+                   "position": message.position})
+
+    def _untrusted(self, message: InboxMessage) -> None:
+        self._count("untrusted_order")
+        log.warning(
+            "inbox %s: order headers of message %r not trusted (user_id %r is none of "
+            "relay_users): applied without the per-key check", self.consumer,
+            message.message_id, message.user_id,
+            extra={"action": "inbox_order_untrusted", "consumer": self.consumer,
+                   "message_id": message.message_id, "user_id": message.user_id,
+                   "ordering_key": message.ordering_key, "position": message.position})
 
     @overload
     def record(self, target: AsyncTarget,
@@ -260,11 +333,13 @@ class Inbox:
         the effect; commit (or roll back) and ack. Never commits."""
         params = self._params(message)
         if caller.kind_of(target).is_async:
-            return self._record_async(target, params)
-        return self._outcome(params, caller.run(target, self._record, params))
+            return self._record_async(target, message, params)
+        return self._outcome(message, params, caller.run(target, self._record, params))
 
-    async def _record_async(self, target: Any, params: dict[str, Any]) -> Outcome:
-        return self._outcome(params, await caller.run_async(target, self._record, params))
+    async def _record_async(self, target: Any, message: InboxMessage,
+                            params: dict[str, Any]) -> Outcome:
+        return self._outcome(message, params,
+                             await caller.run_async(target, self._record, params))
 
     # -- one transaction: record, handler, commit ---------------------------------------------
 
@@ -390,9 +465,9 @@ class Inbox:
         return on_message
 
     def _log_failure(self, exc: Exception, message: InboxMessage | None, requeue: bool) -> None:
-        log.warning(
+        log.warning(  # %r: a message id is a producer's text, escaped (no forged log lines)
             "inbox %s: message %s not processed (%s: %s); %s", self.consumer,
-            message.message_id if message else "without message_id", type(exc).__name__, exc,
+            repr(message.message_id) if message else "without message_id", type(exc).__name__, exc,
             "requeued" if requeue else "rejected (dead-lettered if the queue has a DLX)",
             extra={"action": "inbox_message_failed", "consumer": self.consumer,
                    "message_id": message.message_id if message else None,

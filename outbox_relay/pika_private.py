@@ -19,8 +19,8 @@ from pika.adapters.blocking_connection import _IoloopTimerContext
 # A connection attempt that times out raises this, not an AMQPConnectionError.
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-__all__ = ["AMQPConnectorException", "async_channel", "async_connection", "emit_hook",
-           "flush_output", "frame_max", "has_transport", "mark_no_ack", "run_until",
+__all__ = ["AMQPConnectorException", "async_channel", "async_connection", "connection_user",
+           "emit_hook", "flush_output", "frame_max", "has_transport", "mark_no_ack", "run_until",
            "terminate_stream", "unhook_emit"]
 
 
@@ -37,6 +37,14 @@ def async_channel(blocking: Any) -> Any:
 def frame_max(blocking: Any, default: int) -> int:
     """The frame_max negotiated with the broker (after Connection.Tune)."""
     return int(getattr(blocking._impl.params, "frame_max", default))
+
+
+def connection_user(blocking: Any) -> str | None:
+    """The user name the connection authenticated with: that of the node's URL (pika's
+    default, guest, for a URL without one), or None for credentials without a name (EXTERNAL).
+    With a cluster's URLs, the one of the node that answered."""
+    username = getattr(blocking._impl.params.credentials, "username", None)
+    return username if isinstance(username, str) else None
 
 
 def flush_output(blocking: Any, done: Callable[[], bool], timeout: float) -> None:

@@ -40,9 +40,7 @@ from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     DEFAULT_LEDGER_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
-    RELAY_HEADERS,
     available_at_problem,
-    message_headers,
     publish_problem,
 )
 from outbox_relay.sql import api_queries
@@ -67,9 +65,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("outbox_relay")
 
-# An id larger than any the outbox will give: the headers of a keyed event are checked with
-# the position header at its largest encoding.
-_LARGEST_ID = 2**63 - 1
 # A JSON text holding a NUL character (\u0000 not preceded by an escaped backslash): jsonb
 # refuses it.
 _JSON_NUL_RE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u0000")
@@ -212,9 +207,6 @@ def _headers(value: object, encoder: json.JSONEncoder) -> tuple[dict[str, Any], 
     for key in value:
         if not isinstance(key, str):
             raise InvalidEvent("headers", f"keys must be str, got {type(key).__name__}")
-        if key in RELAY_HEADERS:
-            raise InvalidEvent("headers", f"{key} is set by the relay (from ordering_key and "
-                                          "the row's id); pass ordering_key instead")
     text = _json("headers", dict(value), encoder)
     return json.loads(text), text
 
@@ -249,7 +241,7 @@ def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder) -> _Ro
     # broker's frame_max, OUTBOX_LEDGER_STREAM); created_at is now.
     found = publish_problem(
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
-        headers=message_headers(headers, ordering_key, _LARGEST_ID), content_type=content_type,
+        headers=headers, ordering_key=ordering_key, content_type=content_type,
         json_payload=payload is not None, max_message_bytes=max_message_bytes,
         frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM)
     if found is not None:

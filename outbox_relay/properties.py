@@ -4,8 +4,9 @@ pika encodes properties field by field and a header table value by value through
 isinstance tests, in Python, for every message. Profiled on a relay publishing keyed events
 (the two headers the relay adds), that Header.marshal took about a seventh of the relay's CPU
 (the claim a fifth). Every message the relay builds sets content_type, delivery_mode,
-message_id and timestamp; most carry no other header than a flat table of strings and integers
-(the relay's own two, a producer's simple ones). For those, ``wire`` gives the bytes pika would
+message_id and timestamp, and user_id when it knows its connection's user; most carry no other
+header than a flat table of strings and integers (the relay's own two, a producer's simple
+ones). For those, ``wire`` gives the bytes pika would
 write (tests/unit/test_properties.py compares them over many shapes), which the relay hands to
 pika as they are (outbox_relay.relay.messages); for any other shape, or a value pika would
 refuse, it gives None and pika encodes the properties itself when they are published, as before.
@@ -26,10 +27,12 @@ FLAG_HEADERS = 1 << 13
 FLAG_DELIVERY_MODE = 1 << 12
 FLAG_MESSAGE_ID = 1 << 7
 FLAG_TIMESTAMP = 1 << 6
+FLAG_USER_ID = 1 << 4
 
 _FLAGS = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTAMP
-_FLAGS_PLAIN = struct.pack(">H", _FLAGS)
-_FLAGS_HEADERS = struct.pack(">H", _FLAGS | FLAG_HEADERS)
+# The two bytes of flags, by 2 * (headers present) + (user_id present).
+_FLAG_BYTES = tuple(struct.pack(">H", _FLAGS | (FLAG_HEADERS if shape & 2 else 0)
+                                | (FLAG_USER_ID if shape & 1 else 0)) for shape in range(4))
 _INT32 = struct.Struct(">ci")
 _INT64 = struct.Struct(">cq")
 _LONG_STRING = struct.Struct(">cI")
@@ -55,6 +58,18 @@ def _name(text: str) -> bytes | None:
     return _short_cached(text) if len(text) <= 255 else None
 
 
+# _short of the user ids a process sets (a relay: its connection's user, on every message),
+# looked up in wire() without a call; a few at most (cleared past 16).
+_USERS: dict[str, bytes | None] = {}
+
+
+def _user(text: str) -> bytes | None:
+    if len(_USERS) >= 16:
+        _USERS.clear()
+    found = _USERS[text] = _short(text)
+    return found
+
+
 def _table(headers: Mapping[str, Any]) -> bytes | None:
     """A flat table of str and int values as pika encodes it, or None for anything else."""
     pieces = []
@@ -78,18 +93,24 @@ def _table(headers: Mapping[str, Any]) -> bytes | None:
 
 
 def wire(*, delivery_mode: int, message_id: str, content_type: str,
-         headers: Mapping[str, Any] | None, timestamp: int) -> bytes | None:
+         headers: Mapping[str, Any] | None, timestamp: int,
+         user_id: str | None = None) -> bytes | None:
     """The property bytes pika writes for these fields, or None when this does not encode them
     (a header table of another shape, a text over 255 bytes or not encodable, a timestamp out
-    of range, a transient message): pika's encoder then decides."""
+    of range, a transient message): pika's encoder then decides. The properties go in the
+    order of their flag bits: content type, headers, delivery mode, message id, timestamp,
+    user id."""
     if delivery_mode != _PERSISTENT:
         return None
     try:
-        parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id))
+        parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
+                 b"" if user_id is None else _USERS.get(user_id) or _user(user_id))
     except UnicodeEncodeError:  # a lone surrogate: pika raises it when publishing, as before
         return None
-    content, table, ident = parts
-    if content is None or table is None or ident is None or not 0 <= timestamp < 1 << 64:
+    content, table, ident, user = parts
+    if content is None or table is None or ident is None or user is None \
+            or not 0 <= timestamp < 1 << 64:
         return None
-    flags = _FLAGS_HEADERS if headers else _FLAGS_PLAIN
-    return b"".join((flags, content, table, _PERSISTENT_BYTE, ident, _TIMESTAMP.pack(timestamp)))
+    flags = _FLAG_BYTES[(2 if headers else 0) + (user_id is not None)]
+    return b"".join((flags, content, table, _PERSISTENT_BYTE, ident, _TIMESTAMP.pack(timestamp),
+                     user))

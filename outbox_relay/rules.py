@@ -40,10 +40,19 @@ DEFAULT_LEDGER_STREAM = "outbox.ledger"
 # Headers the relay sets on the message of a row that has an ordering_key: the key itself, and
 # the row's id, the event's position among the events of its key (ids grow in commit order for
 # producers that serialize their transactions per key). Consumers read them (the inbox's
-# per-key check does); a producer's own headers of these names are replaced.
+# per-key check does), so only the relay may set them: a row whose own headers name one is
+# refused (relay_headers_problem), with an ordering_key or without. Refused rather than
+# overwritten or removed: a keyless row carrying them is a producer's bug or a forgery, and a
+# dead letter shows it (reason, metric, `dead-letter list`) where a silent fix would hide it;
+# and the producer API refuses the same rows, so both apply one rule.
 ORDERING_KEY_HEADER = "x-ordering-key"
 POSITION_HEADER = "x-outbox-id"
 RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
+# The largest id an outbox row can have (bigint): the producer API measures a keyed event's
+# header table with the position at its longest encoding, and every event's header frame with
+# the longest user_id a relay's connection can set (its user's name, unknown to a producer).
+LARGEST_POSITION = 2**63 - 1
+LONGEST_USER_ID = "u" * SHORTSTR_MAX
 # The headers column as the claim returns it when a producer sets none (its default).
 EMPTY_HEADERS = "{}"
 # A header frame around its properties: frame type, channel and size, class, weight and body
@@ -80,10 +89,21 @@ def amqp_value(value: Any) -> Any:
     return value
 
 
+def relay_headers_problem(headers: Any) -> Problem | None:
+    """A row's own headers that name one of RELAY_HEADERS: only the relay sets those."""
+    # Two lookups, no loop: to_message runs this for every row with headers of its own.
+    if type(headers) is dict and (ORDERING_KEY_HEADER in headers or POSITION_HEADER in headers):
+        name = ORDERING_KEY_HEADER if ORDERING_KEY_HEADER in headers else POSITION_HEADER
+        return Problem("headers", f"header {name} is set by the relay (from ordering_key and "
+                                  "the row's id); a row may not set it")
+    return None
+
+
 def message_headers(headers: Any, ordering_key: str | None, position: int) -> Any:
     """The headers published for a row: its own, plus ORDERING_KEY_HEADER and POSITION_HEADER
     when it has an ordering key. Anything but a JSON object is returned as it is (the checks
-    refuse it)."""
+    refuse it), and so are own headers that name the relay's (relay_headers_problem refuses
+    them first)."""
     if ordering_key is None or not isinstance(headers, dict):
         return headers
     return {**headers, ORDERING_KEY_HEADER: ordering_key, POSITION_HEADER: position}
@@ -177,10 +197,11 @@ def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size
 
 
 def property_fields(message_id: str, content_type: str, table: Mapping[str, Any] | None,
-                    created_at: float) -> dict[str, Any]:
-    """The AMQP properties of a message (persistent), by pika's names."""
+                    created_at: float, user_id: str | None = None) -> dict[str, Any]:
+    """The AMQP properties of a message (persistent), by pika's names. ``user_id``: the user
+    of the relay's connection, which RabbitMQ checks (none from the producer API)."""
     return {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-            "headers": table or None, "timestamp": int(created_at)}
+            "headers": table or None, "timestamp": int(created_at), "user_id": user_id}
 
 
 def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
@@ -220,6 +241,7 @@ def publish_problem(
     routing_key: str,
     body_size: int,
     headers: Any = None,
+    ordering_key: str | None = None,
     content_type: str | None = None,
     json_payload: bool = True,
     created_at: float | datetime | None = None,
@@ -230,14 +252,21 @@ def publish_problem(
     """Why the relay would dead-letter a row with these values (the field at fault and the
     reason it would dead-letter the row with), or None if it would publish it.
 
-    ``headers`` is the decoded JSON value of the headers column (None: empty), ``body_size`` the
-    payload's size in bytes (a JSON payload's UTF-8 text), ``created_at`` a datetime or epoch
-    seconds (None: now). ``frame_max`` is the broker's (the relay uses the value its connection
-    negotiated), ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts
-    (unroutable, no such exchange, refused) are not foreseen here.
+    ``headers`` is the decoded JSON value of the headers column (None: empty), the row's own:
+    the relay's are added to it for an ``ordering_key`` (with the largest position, since the
+    row's id is not known yet), and the header frame is measured with the longest user_id
+    (the relay's user is not known either). ``body_size`` is the payload's size in bytes (a
+    JSON payload's UTF-8 text), ``created_at`` a datetime or epoch seconds (None: now).
+    ``frame_max`` is the broker's (the relay uses the value its connection negotiated),
+    ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts (unroutable, no
+    such exchange, refused) are not foreseen here.
     """
     stamp = datetime.now(timezone.utc).timestamp() if created_at is None else _epoch(created_at)
     headers = {} if headers is None else headers
+    forged = relay_headers_problem(headers)
+    if forged is not None:
+        return forged
+    headers = message_headers(headers, ordering_key, LARGEST_POSITION)
     content_type = content_type or default_content_type(json_payload)
     error = field_problem(
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
@@ -245,7 +274,8 @@ def publish_problem(
         max_message_bytes=max_message_bytes, ledger_stream=ledger_stream)
     if error is not None:
         return error
-    fields = property_fields(message_id, content_type, amqp_value(headers), stamp)
+    fields = property_fields(message_id, content_type, amqp_value(headers), stamp,
+                             LONGEST_USER_ID)
     return encoding_problem(fields, body_size=body_size, frame_max=frame_max)[0]
 
 

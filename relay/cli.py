@@ -25,6 +25,7 @@ from outbox_relay.relay.store import OutboxStore
 from outbox_relay.relay.worker import Relay, relay_health
 from outbox_relay.runtime import http, logs, options
 from outbox_relay.runtime.exits import EXIT_FAILED, EXIT_OK, EXIT_STARTUP, run_program
+from outbox_relay.runtime.logs import printable
 from outbox_relay.runtime.signals import Shutdown
 from outbox_relay.schema import SCHEMA_VERSION, migrate, roles_sql, schema_sql
 from outbox_relay.tables import Tables
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    required=True)
     listing = dead_sub.add_parser(
         "list", help="print the dead letters, oldest first (tab-separated: id, message_id, "
-        "exchange, routing_key, attempts, dead_at, last_error)")
+        "exchange, routing_key, attempts, dead_at, last_error; control characters escaped)")
     listing.add_argument("--limit", type=_positive_int, default=100, metavar="N",
                          help="print at most N rows (default: 100)")
     listing.add_argument("--json", action="store_true", help="print a JSON array instead")
@@ -190,7 +191,7 @@ def _run(args: argparse.Namespace, fault: Fault) -> int:
     publisher = AmqpPublisher(
         settings.amqp_url, ledger_stream=settings.ledger_stream,
         ledger_max_age=settings.ledger_max_age, confirm_timeout=settings.confirm_timeout,
-        connect_timeout=settings.connect_timeout, fault=fault)
+        connect_timeout=settings.connect_timeout, user_id=settings.amqp_user_id, fault=fault)
     relay = Relay(settings, store, publisher, metrics=relay_metrics, health=health, fault=fault,
                   shutdown=shutdown)
     publisher.name = f"outbox-relay {relay.instance_name}"
@@ -252,9 +253,12 @@ def _dead_letter_command(args: argparse.Namespace, database_url: str, table: str
 def _print_lines(rows: Sequence[dead_letter.DeadLetter]) -> None:
     """`list`'s lines: tab-separated, one line each."""
     for r in rows:
-        error = " ".join(r.last_error.split())  # one line each, whatever the error
-        print("\t".join((str(r.id), r.message_id, r.exchange, r.routing_key,
-                         str(r.attempts), r.dead_at.isoformat(), error)))
+        # One line each, whatever the producer's text holds: its control characters (a tab, a
+        # newline, a terminal's escape sequence) escaped, and the error's lines joined.
+        error = printable(" ".join(r.last_error.split()))
+        print("\t".join((str(r.id), printable(r.message_id), printable(r.exchange),
+                         printable(r.routing_key), str(r.attempts), r.dead_at.isoformat(),
+                         error)))
 
 
 DISCARD_SHOWN = 20  # dead letters printed before a confirmation; the count says the rest

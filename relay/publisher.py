@@ -19,7 +19,7 @@ import pika.exceptions
 import pika.spec
 
 from outbox_relay import pika_private, rabbitmq
-from outbox_relay.errors import BatchFailed, LedgerMissing, TransientError
+from outbox_relay.errors import BatchFailed, LedgerMissing, StartupCheckError, TransientError
 from outbox_relay.model import Failure, Message, PublishResult, Reason
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ REFUSED_FRAME_CODES = frozenset({501, 502, 503, 505})
 # channel opened right after a quorum queue's leader died, and a new channel worked once the
 # new leader was known (docs/reliability.md).
 NACKED = "nacked by the broker"
+# The routing key of the message that checks, on every new connection, that RabbitMQ takes the
+# relay's user_id (appended to the ledger's name: the ledger's direct exchange routes only the
+# name itself, so the message goes nowhere).
+USER_ID_CHECK_SUFFIX = ".user-id-check"
 
 
 class AmqpPublisher:
@@ -54,9 +58,12 @@ class AmqpPublisher:
         confirm_timeout: float,
         connect_timeout: float,
         name: str = "outbox-relay",
+        user_id: str = "",
         fault: Callable[[str], None] = lambda point: None,
     ) -> None:
         self._url = url
+        self._user_id_setting = user_id  # OUTBOX_AMQP_USER_ID; empty: the connection's user
+        self._user_id: str | None = None
         self._ledger_stream = ledger_stream
         self._ledger_max_age = ledger_max_age
         self._confirm_timeout = confirm_timeout
@@ -94,6 +101,10 @@ class AmqpPublisher:
             rabbitmq.declare_ledger(self._conn.channel(), self._ledger_stream, self._ledger_max_age,
                                 replicas=rabbitmq.ledger_replicas(self._url),
                                 reopen=self._conn.channel)
+            user_id = self._user_id_setting or pika_private.connection_user(self._conn)
+            if user_id is not None:
+                self._check_user_id(user_id)
+            self._user_id = user_id
             self._open_channel()
         except rabbitmq.CONNECTION_ERRORS as exc:
             self.close()
@@ -131,6 +142,39 @@ class AmqpPublisher:
         conn, self._conn, self._channel, self._probe = self._conn, None, None, None
         if conn is not None and conn.is_open:
             rabbitmq.close(conn, CLOSE_TIMEOUT if handshake else 0)
+
+    @property
+    def user_id(self) -> str | None:
+        """The user_id property of the messages (to_message sets it): OUTBOX_AMQP_USER_ID, else
+        the user of the connection's URL; None before the first connection, or for
+        credentials without a user name. RabbitMQ refuses a user_id other than the
+        connection's user, so a consumer can trust that a relay published a message that
+        carries it (the inbox's per-key check does)."""
+        return self._user_id
+
+    def _check_user_id(self, user_id: str) -> None:
+        """Publish a message that goes nowhere with ``user_id``: RabbitMQ closes the channel
+        (406) if it is not this connection's user. Without this check every batch would fail
+        on it, its rows counting attempts until they were dead-lettered."""
+        channel = self._conn.channel()
+        try:
+            channel.confirm_delivery()
+            channel.basic_publish(
+                exchange=self._ledger_stream,
+                routing_key=self._ledger_stream + USER_ID_CHECK_SUFFIX, body=b"",
+                properties=pika.BasicProperties(user_id=user_id, delivery_mode=1))
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 406:  # PRECONDITION_FAILED: not this connection's user
+                raise StartupCheckError(
+                    f"RabbitMQ refused user_id {user_id!r} on the relay's messages "
+                    f"({exc.reply_text}): set OUTBOX_AMQP_USER_ID to the user RabbitMQ "
+                    "authenticates the relay as") from exc
+            raise TransientError(f"the user_id check failed: {exc.reply_code} "
+                                 f"{exc.reply_text}") from exc
+        except pika.exceptions.NackError as exc:
+            raise TransientError("the user_id check was nacked by the broker") from exc
+        if channel.is_open:
+            channel.close()
 
     @property
     def frame_max(self) -> int:

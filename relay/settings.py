@@ -107,12 +107,35 @@ STANDBY_WAIT_TIMEOUT = Option(
 )
 
 
+def _user_id(text: str) -> str:
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8 text") from None
+    if size > 255:
+        raise ValueError("must be at most 255 bytes (an AMQP short string)")
+    return text
+
+
+AMQP_USER_ID = Option(
+    "amqp_user_id", "OUTBOX_AMQP_USER_ID", _user_id, "",
+    "the user_id property of every message: the user RabbitMQ authenticates the relay's "
+    "connection as; empty: the user name of OUTBOX_AMQP_URL (guest if it names none)",
+    doc="RabbitMQ refuses a `user_id` other than the connection's user, so a consumer can tell "
+        "a relay's messages from another publisher's: the inbox's per-key check trusts only "
+        "those ([python-api.md](python-api.md#per-key-order-opt-in)). Set it where the broker "
+        "names the user otherwise (OAuth 2 tokens, x509 certificates with EXTERNAL). Checked "
+        "on every connection: a value RabbitMQ refuses stops the relay (exit 3)",
+)
+
+
 @dataclass(frozen=True)
 class RelaySettings:
     """What ``outbox-relay run`` reads: each field is one of the options above."""
 
     database_url: str = DATABASE_URL.field()
     amqp_url: str = AMQP_URL.field()
+    amqp_user_id: str = AMQP_USER_ID.field()
     table: str = TABLE.field()
     gid_prefix: str = GID_PREFIX.field()
     ledger_stream: str = LEDGER_STREAM.field()

@@ -98,6 +98,8 @@ class Publisher(Protocol):
                       while_waiting: Callable[[], None] | None = None) -> PublishResult: ...
     @property
     def frame_max(self) -> int: ...
+    @property
+    def user_id(self) -> str | None: ...
     def record_batch(self, gid: str, record: bytes) -> None: ...
     def idle(self, seconds: float) -> None: ...
 
@@ -131,9 +133,10 @@ class Ahead:
     rows: list[OutboxRow]
     error: DatabaseError | None = None
     # Its messages, built while the confirms were on their way too, for the frame_max they
-    # were checked against (a reconnect may bring another).
+    # were checked against and the user_id they carry (a reconnect may bring others).
     built: tuple[list[Message], list[tuple[OutboxRow, str]]] | None = None
     frame_max: int = 0
+    user_id: str | None = None
 
 
 class Relay(Loop):
@@ -216,7 +219,8 @@ class Relay(Loop):
         self._batch_bytes = sum(row.row_bytes for row in rows)
         self._batch_keyed = any(row.ordering_key is not None for row in rows)
         if ahead is not None and ahead.built is not None \
-                and ahead.frame_max == self.publisher.frame_max:
+                and (ahead.frame_max, ahead.user_id) == (self.publisher.frame_max,
+                                                         self.publisher.user_id):
             messages, invalid = ahead.built
         else:
             messages, invalid = self._build(rows)
@@ -389,7 +393,8 @@ class Relay(Loop):
             # batch in flight; the next batch builds its rows again before its PREPARE, and
             # raises there.
             built = None
-        self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max)
+        self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max,
+                            user_id=self.publisher.user_id)
 
     def _claim(self, max_bytes: int, limit: int | None = None) -> list[OutboxRow]:
         s = self.settings
@@ -427,12 +432,13 @@ class Relay(Loop):
         """The messages of the rows the claim fetched, and those that can never be published."""
         messages: list[Message] = []
         invalid: list[tuple[OutboxRow, str]] = []
-        frame_max = self.publisher.frame_max
+        frame_max, user_id = self.publisher.frame_max, self.publisher.user_id
         for row in rows:
             if row.dead_reason is not None:
                 continue  # too big to fetch: the claim moved it to the dead-letter table
             built = to_message(row, max_bytes=self.settings.max_message_bytes,
-                               frame_max=frame_max, ledger_stream=self.settings.ledger_stream)
+                               frame_max=frame_max, ledger_stream=self.settings.ledger_stream,
+                               user_id=user_id)
             if isinstance(built, Unpublishable):
                 # Logged once the batch that moves it to the dead-letter table has committed.
                 invalid.append((row, built.reason))

@@ -6,8 +6,9 @@ next, and a change worth a few per cent shows only here.
                                               [--out JSON]
 
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
-  key, but the two headers a keyed message gets written in the headers column), in one Python
-  process under callgrind, minus the same process building the rows only;
+  key, but two headers as large as a keyed message's written in the headers column, under the
+  stand-in names of benchmarks.workload.KEY_HEADER_STAND_INS: a row may not set the relay's
+  own), in one Python process under callgrind, minus the same process building the rows only;
 - claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
   session's backend only, minus a session that runs the claim once on the empty table (its
@@ -31,12 +32,11 @@ import psycopg
 from psycopg import sql
 
 from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_server
-from benchmarks.workload import KEY_SQL, say, write_results
+from benchmarks.workload import KEY_HEADER_STAND_INS, KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from outbox_relay.model import OutboxRow
 from outbox_relay.relay.messages import to_message
 from outbox_relay.relay.store import claim_session
-from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
 
@@ -49,7 +49,8 @@ _COLLECTED = re.compile(r"Collected : (\d+)")
 def _row(n: int, shape: str, keys: int) -> OutboxRow:
     """A claimed row as the claim fetches it, about the benchmark's size."""
     key = f"k{n % keys}" if shape == "keys" else None
-    headers = (json.dumps({ORDERING_KEY_HEADER: f"k{n % keys}", POSITION_HEADER: n})
+    key_name, position_name = KEY_HEADER_STAND_INS
+    headers = (json.dumps({key_name: f"k{n % keys}", position_name: n})
                if shape == "headers" else "{}")
     return OutboxRow(id=n, message_id=f"bench-{n}", exchange="bench.events",
                      routing_key="bench.0", ordering_key=key,
@@ -61,9 +62,10 @@ def _row(n: int, shape: str, keys: int) -> OutboxRow:
 
 def _build_child(shape: str, rows: int, keys: int, build: bool) -> None:
     built = [_row(1_000_000 + n, shape, keys) for n in range(rows)]
-    to_message(built[0], max_bytes=1 << 20)  # imports and first-call work, in both runs
+    # A relay sets its connection's user as user_id on every message (the benchmark's: guest).
+    to_message(built[0], max_bytes=1 << 20, user_id="guest")  # imports and first-call work
     for row in built if build else ():
-        to_message(row, max_bytes=1 << 20)
+        to_message(row, max_bytes=1 << 20, user_id="guest")
 
 
 def _callgrind_python(args: list[str]) -> int:

@@ -178,6 +178,20 @@ ACTIONS: tuple[LogAction, ...] = (
         "([python-api.md](python-api.md#when-the-handler-raises))",
     ),
     LogAction(
+        ("inbox_event_stale",), "WARNING", "a consumer's `Inbox` (logger `outbox_relay.inbox`)",
+        "`consumer`, `message_id`, `ordering_key`, `position`",
+        "`check_order`: an event older than the last one applied for its key was skipped "
+        "(`Outcome.STALE`: acked, handler not run, its effect never applied); counted in "
+        "`Inbox.stale_skipped` ([python-api.md](python-api.md#per-key-order-opt-in))",
+    ),
+    LogAction(
+        ("inbox_order_untrusted",), "WARNING", "a consumer's `Inbox` (logger `outbox_relay.inbox`)",
+        "`consumer`, `message_id`, `user_id`, `ordering_key`, `position`",
+        "`check_order`: a message with order headers whose `user_id` is none of `relay_users` (not "
+        "published by a relay, or `relay_users` misses one) was applied without the per-key check; "
+        "counted in `Inbox.untrusted_order`",
+    ),
+    LogAction(
         ("startup_check_failed",), "ERROR", "both",
         "",
         "a server unfit for the protocol (exit 3): the one line that says why",

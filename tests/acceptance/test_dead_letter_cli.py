@@ -75,6 +75,36 @@ def test_list_prints_one_line_per_dead_letter_or_json(env: Env) -> None:
     assert "2 of 3" in limited.stderr
 
 
+def test_list_escapes_the_control_characters_of_a_producers_text(env: Env) -> None:
+    # A message id, routing key or error that holds a newline printed a line of its own (a
+    # forged dead letter), a tab shifted the columns, an escape sequence drove the terminal.
+    values = {"message_id": "m-1\n1002\tforged\tline", "routing_key": "rk\x1b[2J\u2028",
+              "last_error": "unroutable \x1b[31mred\x1b[0m\r\nattempt 1"}
+    with env.connect() as conn:
+        conn.execute(sql.SQL("INSERT INTO {} (id, message_id, exchange, routing_key, payload, "
+                             "headers, created_at, attempts, last_error) "
+                             "VALUES (1001, %s, %s, %s, '{{}}', '{{}}', now(), 1, %s)"
+                             ).format(Tables(env.table).dead_letter),
+                     (values["message_id"], env.exchange, values["routing_key"],
+                      values["last_error"]))
+
+    result = run(env, "list")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    assert all(char.isprintable() or char == "\t" for char in line)
+    fields = line.split("\t")
+    assert len(fields) == 7
+    assert fields[1] == "m-1\\n1002\\tforged\\tline"
+    assert fields[3] == "rk\\x1b[2J\\u2028"
+    assert fields[6] == "unroutable \\x1b[31mred\\x1b[0m attempt 1"
+
+    listed = run(env, "list", "--json")  # JSON escapes them itself, and keeps them exactly
+    assert listed.returncode == 0, listed.stderr
+    assert all(char.isprintable() or char == "\n" for char in listed.stdout)
+    (dead,) = json.loads(listed.stdout)
+    assert {k: dead[k] for k in values} == values
+
+
 def test_requeue_by_id_and_all_moves_rows_back_and_the_relay_delivers_them(env: Env) -> None:
     insert_dead_letters(env, 4)
     tables = Tables(env.table)

@@ -135,6 +135,22 @@ def test_headers_that_are_no_amqp_table(env: Env, headers: Any, reason: str) -> 
     settle(env, [relay(env)], {"bad-headers": reason}, head + tail)
 
 
+@pytest.mark.parametrize("ordering_key", [None, "forged-key"])
+def test_headers_that_set_the_relays_order_headers(env: Env, ordering_key: str | None) -> None:
+    # Keyless, it was published with the producer's values: a position of its choosing for a key
+    # of the normal rows (k1), which an inbox's per-key check then trusted (issue 32). Keyed, the
+    # relay overwrote them; its key is one of its own (a keyed dead letter holds its key back).
+    head = normal(env, "head")
+    insert(env, "forged-order", ordering_key=ordering_key,
+           headers=Jsonb({"x-ordering-key": "k1", "x-outbox-id": 2**63 - 1}))
+    insert(env, "forged-position", headers=Jsonb({"tenant": "a", "x-outbox-id": 1}))
+    tail = normal(env, "tail")
+    settle(env, [relay(env)], {
+        "forged-order": "header x-ordering-key is set by the relay (from ordering_key and the "
+                        "row's id); a row may not set it",
+        "forged-position": "header x-outbox-id is set by the relay"}, head + tail)
+
+
 # -- created_at ------------------------------------------------------------------------------
 
 

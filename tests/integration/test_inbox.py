@@ -6,6 +6,7 @@ after the commit means a duplicate, a handler's exception follows the documented
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 from outbox_relay import (
     ORDERING_KEY_HEADER,
     POSITION_HEADER,
+    ConfigError,
     Inbox,
     InboxError,
     InboxMessage,
@@ -72,14 +74,15 @@ class Consumer:
 
         return handle
 
-    def publish(self, *ids: str | None, headers: dict[str, Any] | None = None) -> None:
+    def publish(self, *ids: str | None, headers: dict[str, Any] | None = None,
+                user_id: str | None = None) -> None:
         connection = pika.BlockingConnection(pika.URLParameters(self.env.amqp_url))
         try:
             channel = connection.channel()
             channel.confirm_delivery()
             for message_id in ids:
                 channel.basic_publish("", self.queue, b'{"n": 1}', pika.BasicProperties(
-                    message_id=message_id, delivery_mode=2, headers=headers))
+                    message_id=message_id, delivery_mode=2, headers=headers, user_id=user_id))
         finally:
             connection.close()
 
@@ -146,13 +149,22 @@ def consumer(env: Env) -> Iterator[Consumer]:
     connection.close()
 
 
-def message(message_id: str, key: str | None = None, position: int | None = None) -> InboxMessage:
+# The user the relays publish as (their messages' user_id, which RabbitMQ checks).
+RELAY_USER = "relay"
+
+
+def message(message_id: str, key: str | None = None, position: int | None = None, *,
+            user_id: str | None = RELAY_USER) -> InboxMessage:
     headers: dict[str, Any] = {}
     if key is not None:
         headers[ORDERING_KEY_HEADER] = key
     if position is not None:
         headers[POSITION_HEADER] = position
-    return InboxMessage(message_id=message_id, body=b"{}", headers=headers)
+    return InboxMessage(message_id=message_id, body=b"{}", headers=headers, user_id=user_id)
+
+
+def ordered_inbox(consumer: Consumer, name: str = "ordered") -> Inbox:
+    return Inbox(consumer.inbox.table, consumer=name, check_order=True, relay_users={RELAY_USER})
 
 
 # -- process: one transaction ----------------------------------------------------------------
@@ -256,7 +268,7 @@ def test_two_copies_processed_at_once_apply_once(consumer: Consumer) -> None:
 
 def test_check_order_skips_an_event_older_than_the_last_applied_for_its_key(
         consumer: Consumer) -> None:
-    ordered = Inbox(consumer.inbox.table, consumer="ordered", check_order=True)
+    ordered = ordered_inbox(consumer)
     handle = consumer.handler()
     with consumer.env.connect() as conn:
         outcomes = [ordered.process(conn, m, handle) for m in (
@@ -272,6 +284,93 @@ def test_check_order_skips_an_event_older_than_the_last_applied_for_its_key(
     with consumer.env.connect() as conn:
         # A stale event is recorded (a copy of it later is a plain duplicate).
         assert ordered.process(conn, message("a3", "k", 3), handle) is Outcome.DUPLICATE
+    assert (ordered.stale_skipped, ordered.untrusted_order) == (2, 0)
+
+
+def test_check_order_counts_and_logs_every_event_it_skips(
+        consumer: Consumer, caplog: pytest.LogCaptureFixture) -> None:
+    ordered = ordered_inbox(consumer)
+    with consumer.env.connect() as conn, caplog.at_level(logging.WARNING, "outbox_relay.inbox"):
+        key = "k\x1b[2J"  # a producer's key, with a terminal escape in it
+        for m in (message("a5", key, 5), message("a4\nforged line", key, 4),
+                  message("a5", key, 5)):
+            ordered.process(conn, m, consumer.handler())
+    (line,) = [r for r in caplog.records if getattr(r, "action", None) == "inbox_event_stale"]
+    assert (line.consumer, line.message_id, line.ordering_key, line.position) == (  # type: ignore[attr-defined]
+        "ordered", "a4\nforged line", "k\x1b[2J", 4)
+    # The producer's text is escaped in the message: one line, no terminal escape.
+    assert line.getMessage() == ("inbox ordered: event 'a4\\nforged line' skipped, handler not "
+                                 "run: position 4 of key 'k\\x1b[2J' is not past the last one "
+                                 "applied")
+    assert ordered.stale_skipped == 1
+
+
+def test_check_order_trusts_the_order_headers_of_a_relays_message_only(
+        consumer: Consumer, caplog: pytest.LogCaptureFixture) -> None:
+    # Another user of the vhost published a message with the order headers, at the largest
+    # position: trusted, it would make every later event of the key STALE (issue 32).
+    ordered = ordered_inbox(consumer)
+    handle = consumer.handler()
+    with consumer.env.connect() as conn, caplog.at_level(logging.WARNING, "outbox_relay.inbox"):
+        outcomes = [ordered.process(conn, m, handle) for m in (
+            message("forged", "k", 2**63 - 1, user_id="intruder"),
+            message("unsigned", "k", 2**63 - 1, user_id=None),
+            message("a1", "k", 1), message("a2", "k", 2),
+            message("forged-old", "k", 1, user_id="intruder"),  # older: applied all the same
+            message("a0", "k", 0))]
+    assert outcomes == [Outcome.APPLIED] * 5 + [Outcome.STALE]
+    assert consumer.effect_counts() == {"forged": 1, "unsigned": 1, "a1": 1, "a2": 1,
+                                        "forged-old": 1}
+    assert (ordered.untrusted_order, ordered.stale_skipped) == (3, 1)
+    untrusted = [r for r in caplog.records if getattr(r, "action", None) == "inbox_order_untrusted"]
+    assert [(r.message_id, r.user_id) for r in untrusted] == [  # type: ignore[attr-defined]
+        ("forged", "intruder"), ("unsigned", None), ("forged-old", "intruder")]
+    with consumer.env.connect() as conn:
+        # Nothing of the untrusted ones was kept as the key's position.
+        assert conn.execute(sql.SQL("SELECT position, message_id FROM {} WHERE consumer = %s")
+                            .format(sql.Identifier(f"{consumer.inbox.table}_keys")),
+                            ("ordered",)).fetchall() == [(2, "a2")]
+
+
+def test_messages_without_order_headers_are_neither_checked_nor_counted(
+        consumer: Consumer) -> None:
+    ordered = ordered_inbox(consumer)
+    with consumer.env.connect() as conn:
+        for m in (message("plain", user_id=None), message("key-only", "k", user_id="x")):
+            assert ordered.process(conn, m, consumer.handler()) is Outcome.APPLIED
+    assert (ordered.untrusted_order, ordered.stale_skipped) == (0, 0)
+
+
+@pytest.mark.parametrize(("users", "error"), [
+    (None, "check_order needs relay_users"),
+    ("relay", "not one str"),
+    ([], "relay_users is empty"),
+    (["relay", ""], "non-empty str"),
+])
+def test_check_order_needs_the_relays_users(users: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        Inbox("inbox", check_order=True, relay_users=users)
+
+
+def test_from_pika_and_aio_pika_carry_the_user_id(consumer: Consumer) -> None:
+    consumer.publish("m-1", user_id="guest")  # the test broker's user: RabbitMQ takes it
+    connection = pika.BlockingConnection(pika.URLParameters(consumer.env.amqp_url))
+    try:
+        method, properties, body = connection.channel().basic_get(consumer.queue, auto_ack=True)
+    finally:
+        connection.close()
+    assert InboxMessage.from_pika(method, properties, body).user_id == "guest"
+
+    async def main() -> str | None:
+        consumer.publish("m-2", user_id="guest")
+        connection = await aio_pika.connect(consumer.env.amqp_url)
+        async with connection:
+            queue = await (await connection.channel()).get_queue(consumer.queue)
+            incoming = await queue.get(timeout=10)
+            await incoming.ack()
+            return InboxMessage.from_aio_pika(incoming).user_id
+
+    assert asyncio.run(main()) == "guest"
 
 
 # -- record: the step for a transaction of the caller's own ------------------------------------
@@ -446,7 +545,7 @@ def test_aio_pika_callback_consumes_through_the_inbox(consumer: Consumer) -> Non
 
 
 def test_prune_deletes_entries_older_than_the_window(consumer: Consumer) -> None:
-    ordered = Inbox(consumer.inbox.table, consumer="ordered", check_order=True)
+    ordered = ordered_inbox(consumer)
     with consumer.env.connect() as conn:
         for n in range(5):
             ordered.process(conn, message(f"old-{n}", f"k{n}", 1), consumer.handler())

@@ -460,6 +460,7 @@ class FakePublisher(_Scripted):
         self.ledger: list[LedgerRecord] = []
         self.records: list[dict[str, Any]] = []  # the ledger records as written (signed)
         self.negotiated_frame_max = 131072
+        self.user_id: str | None = "relay-user"  # the connection's user, as the real one knows it
         self.exchange_checks: list[set[str]] = []
         self.idles: list[float] = []
 

@@ -52,7 +52,7 @@ RECORDING = ("import asyncio; from outbox_relay.testing import RecordingOutbox; 
     # struct (outbox_relay.properties), pika is not needed to measure it.
     "from outbox_relay.rules import publish_problem; "
     "publish_problem(message_id='m', exchange='e', routing_key='r', body_size=10, "
-    "headers={'x-ordering-key': 'k', 'x-outbox-id': 1, 'tenant': 'a'}, max_message_bytes=100)",
+    "headers={'tenant': 'a'}, ordering_key='k', max_message_bytes=100)",
     "from outbox_relay import schema_sql, inbox_schema_sql; schema_sql(); inbox_schema_sql()",
     "from outbox_relay import Inbox; Inbox('inbox', consumer='billing')",
     # Alembic's filter and the schema's helpers import neither Alembic nor SQLAlchemy.

@@ -93,6 +93,60 @@ def test_text_line_without_extras_has_no_brackets() -> None:
     assert "[" not in text
 
 
+# -- a producer's text: one line, no terminal escapes ----------------------------------------------
+
+# A message id that forges a line of its own, an ANSI sequence that clears the screen, a
+# carriage return that overwrites the line on a terminal, Unicode's line separator, a
+# right-to-left override that shows the line's end reversed.
+HOSTILE = "m-1\n2026-01-01 00:00:00,000 ERROR relay forged\r\x1b[2J\x85\u2028\u202eq\t\x7f\x00"
+ESCAPED = ("m-1\\n2026-01-01 00:00:00,000 ERROR relay forged\\r\\x1b[2J\\x85\\u2028"
+           "\\u202eq\\t\\x7f\\x00")
+
+
+def test_printable_escapes_every_character_python_would_not_print() -> None:
+    assert logs.printable(HOSTILE) == ESCAPED
+    assert logs.printable("gid outbox:00000abc:1 'quoted' é€😀 \\n") == (
+        "gid outbox:00000abc:1 'quoted' é€😀 \\n")  # already printable: as it is
+
+
+def test_text_line_escapes_a_producers_text_in_the_message_and_the_extras() -> None:
+    text = TextFormatter().format(record(
+        "row dead-lettered: %s", HOSTILE, extra={"action": "row_dead_lettered",
+                                                 "message_id": HOSTILE, "row_id": 7}))
+
+    assert len(text.splitlines()) == 1 and text.isprintable()
+    assert text.endswith(f" WARNING relay row dead-lettered: {ESCAPED} "
+                         f"[action=row_dead_lettered message_id={ESCAPED} row_id=7]")
+
+
+def test_text_traceback_lines_are_indented_and_escaped() -> None:
+    try:
+        raise RuntimeError(f"failed on {HOSTILE}")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    rec = logging.getLogger("relay").makeRecord(
+        "relay", logging.ERROR, __file__, 1, "crashed", (), exc_info, extra={"action": "x"})
+    first, *rest = TextFormatter().format(rec).split("\n")
+
+    assert first.endswith(" ERROR relay crashed [action=x]")
+    assert rest[0] == "  Traceback (most recent call last):"
+    # The exception's own newline ends a line of the traceback; the forged line after it is
+    # indented like the rest, never at the margin where a record starts.
+    assert rest[-2:] == ["  RuntimeError: failed on m-1",
+                         "  " + ESCAPED.split("\\n", 1)[1]]
+    assert all(line.startswith("  ") and line.isprintable() for line in rest)
+
+
+def test_json_line_escapes_a_producers_text_by_itself() -> None:
+    line = JsonFormatter().format(record("row dead-lettered: %s", HOSTILE,
+                                         extra={"action": "x", "message_id": HOSTILE}))
+
+    assert line.isascii() and line.isprintable()
+    parsed = json.loads(line)
+    assert parsed["message"] == f"row dead-lettered: {HOSTILE}"
+    assert parsed["message_id"] == HOSTILE  # kept exactly
+
+
 @pytest.fixture
 def root_logging() -> Iterator[logging.Logger]:
     root = logging.getLogger()

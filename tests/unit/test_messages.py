@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -122,10 +123,27 @@ def test_a_row_with_an_ordering_key_carries_the_key_and_its_id_as_headers() -> N
     assert (ORDERING_KEY_HEADER, POSITION_HEADER) == ("x-ordering-key", "x-outbox-id")
 
 
-def test_the_relay_headers_replace_a_producer_header_of_the_same_name() -> None:
-    headers = message(headers={ORDERING_KEY_HEADER: "forged", POSITION_HEADER: 1}).properties.headers
+@pytest.mark.parametrize("ordering_key", ["order-1", None])
+@pytest.mark.parametrize("own", [
+    {ORDERING_KEY_HEADER: "order-1", POSITION_HEADER: 2**63 - 1},
+    {POSITION_HEADER: 1}, {"tenant": "a", ORDERING_KEY_HEADER: "forged"},
+    {ORDERING_KEY_HEADER: None}])
+def test_a_row_may_not_set_the_relays_headers(own: dict[str, Any],
+                                             ordering_key: str | None) -> None:
+    # A keyless row carrying them was published with the producer's values, and a consumer's
+    # per-key check (the inbox) then skipped every later event of that key (issue 32).
+    reason = error(headers=own, ordering_key=ordering_key)
 
-    assert headers == {ORDERING_KEY_HEADER: "order-1", POSITION_HEADER: 7}
+    name = ORDERING_KEY_HEADER if ORDERING_KEY_HEADER in own else POSITION_HEADER
+    assert reason == (f"header {name} is set by the relay (from ordering_key and the row's "
+                      "id); a row may not set it")
+
+
+def test_headers_named_like_the_relays_in_another_case_are_the_rows_own() -> None:
+    # AMQP header names are case-sensitive: the inbox reads only the relay's exact names.
+    headers = {"X-Outbox-Id": 1, "x-ordering-key ": "k"}
+
+    assert message(headers=headers, ordering_key=None).properties.headers == headers
 
 
 def test_message_headers_leave_what_is_not_an_object_to_the_checks() -> None:
@@ -359,15 +377,49 @@ def test_publish_problem_names_the_field_at_fault(changes: dict[str, Any], field
     assert found is not None and found.field == field, found
 
 
+def figures_apart(reason: str | None) -> str | None:
+    return None if reason is None else re.sub(r"\d+", "N", reason)
+
+
 def test_publish_problem_agrees_with_to_message() -> None:
-    for headers in ({"ok": 1}, {"big": 2**70}, {"k" * 256: 1}, [], {"h": "x" * 200_000}):
-        built = to_message(row(headers=headers), max_bytes=1000)
-        expected = built.reason if isinstance(built, Unpublishable) else None
-        # The relay stamps the row's ordering key and id into its headers; a producer passes
-        # them the same way (outbox_relay.producer), so both measure the same header frame.
-        stamped = message_headers(headers, "order-1", 7)
-        assert plain(headers=stamped, body_size=len(b'{"total": 12}'), message_id="evt-7",
-                     routing_key="order.created", created_at=CREATED) == expected
+    for headers in ({"ok": 1}, {"big": 2**70}, {"k" * 256: 1}, [], {"h": "x" * 200_000},
+                    {POSITION_HEADER: 1}, {ORDERING_KEY_HEADER: "k", "k" * 256: 1}):
+        for key in ("order-1", None):
+            built = to_message(row(headers=headers, ordering_key=key), max_bytes=1000)
+            expected = built.reason if isinstance(built, Unpublishable) else None
+            # Both take the row's own headers and its ordering key, and add the relay's
+            # headers to measure the header frame: the producer with the largest id, so a
+            # frame's size may differ by the id's few bytes, never the verdict.
+            found = plain(headers=headers, ordering_key=key, body_size=len(b'{"total": 12}'),
+                          message_id="evt-7", routing_key="order.created", created_at=CREATED)
+            assert figures_apart(found) == figures_apart(expected), (headers, key)
+
+
+def test_publish_problem_measures_a_keyed_event_with_the_relays_headers() -> None:
+    # A header frame of 131,061 bytes alone (with the longest user_id), 131,072 at most: no
+    # room for the relay's two.
+    fits = {"h": "x" * 130_744}
+    frame = publish_problem(message_id="m", exchange="e", routing_key="r", body_size=1,
+                            headers=fits, max_message_bytes=10)
+    keyed = publish_problem(message_id="m", exchange="e", routing_key="r", body_size=1,
+                            headers=fits, ordering_key="k" * 100, max_message_bytes=10)
+
+    assert frame is None
+    assert keyed is not None and keyed.reason.startswith("headers make a header frame")
+
+
+def test_publish_problem_measures_the_frame_with_the_longest_user_id() -> None:
+    # The relay sets user_id to its connection's user (up to 255 bytes): a producer cannot know
+    # it, so its check leaves room for the longest; the relay's own is exact.
+    headers = {"h": "x" * 130_800}
+    found = publish_problem(message_id="evt-7", exchange="events", routing_key="order.created",
+                            body_size=13, headers=headers, created_at=CREATED,
+                            max_message_bytes=1000)
+    for user_id in (None, "outbox-relay", "u" * 255):
+        built = to_message(row(headers=headers, ordering_key=None), max_bytes=1000,
+                           user_id=user_id)
+        assert isinstance(built, Message) == (user_id != "u" * 255), user_id
+    assert found is not None and found.reason.startswith("headers make a header frame of 131121 bytes")
 
 
 @pytest.mark.parametrize("key", [None, "order-1", "", "ключ-€-😀", "k" * 300])

@@ -129,11 +129,14 @@ def test_the_headers_of_a_keyed_event_are_checked_as_the_relay_will_send_them() 
     assert len(cursor.calls) == 1
 
 
+@pytest.mark.parametrize("ordering_key", [None, "order-42"])
 @pytest.mark.parametrize("name", ["x-ordering-key", "x-outbox-id"])
-def test_the_relays_own_headers_are_refused(name: str) -> None:
-    error = refused(headers={name: "forged"})
+def test_the_relays_own_headers_are_refused(name: str, ordering_key: str | None) -> None:
+    # The relay dead-letters such a row, with a key or without: one rule, one reason.
+    error = refused(headers={name: "forged"}, ordering_key=ordering_key)
 
     assert error.field == "headers"
+    assert error.reason == relay_reason(headers={name: "forged"}, ordering_key=ordering_key)
     assert "set by the relay" in error.reason
 
 

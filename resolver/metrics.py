@@ -13,6 +13,11 @@ DECISIONS = tuple(Decision)
 # Why the resolver ignored a ledger record naming an in-doubt batch.
 LEDGER_REJECTIONS = ("unauthenticated", "other_transaction")
 
+# Why the resolver leaves alone a prepared transaction of its gid prefix that no relay made: gid
+# (not a gid a relay makes: another format, an instance of 2^31 or more, a sequence of 2^63 or
+# more), owner (prepared by a role that cannot read the ledger key, as every relay's role can).
+FOREIGN_REASONS = ("gid", "owner")
+
 # Who keeps the oldest transaction id alive: our prepared batches, anyone else's prepared
 # transactions, sessions (running transactions and snapshots), replication slots.
 HORIZON_HOLDERS = ("outbox_prepared", "other_prepared", "session", "replication_slot")
@@ -41,11 +46,18 @@ class ResolverMetrics:
             "fails)", registry=r)
         self.in_doubt = Gauge(
             "outbox_prepared_transactions",
-            "Prepared transactions of this gid prefix (in doubt or in flight)", registry=r)
+            "Prepared transactions of this gid prefix in this database (in doubt or in flight; "
+            "foreign ones included)", registry=r)
         self.oldest_age = Gauge(
             "outbox_prepared_oldest_age_seconds",
-            "Age of the oldest prepared transaction of this gid prefix; it holds its rows' locks "
-            "and may hold back VACUUM", registry=r)
+            "Age of the oldest prepared transaction of this gid prefix (foreign ones included); "
+            "it holds its rows' locks and may hold back VACUUM", registry=r)
+        self.foreign_prepared = Gauge(
+            "outbox_resolver_foreign_prepared_transactions",
+            "Prepared transactions of this gid prefix in this database that no relay made, left "
+            "alone, by reason (gid: not a gid a relay makes; owner: prepared by a role that "
+            "cannot read the ledger key); they hold their locks and VACUUM until someone "
+            "finishes them by hand", ["reason"], registry=r)
         self.holding_vacuum = Gauge(
             "outbox_prepared_holding_vacuum_age_seconds",
             "Age of our oldest prepared transaction while it is what holds back this database's "
@@ -91,6 +103,8 @@ class ResolverMetrics:
             self.horizon_age.labels(holder)
         for outcome in DECISIONS:
             self.decisions.labels(outcome)
+        for reason in FOREIGN_REASONS:
+            self.foreign_prepared.labels(reason)
         for reason in LEDGER_REJECTIONS:
             self.ledger_rejected.labels(reason)
         for server in SERVERS:

@@ -34,7 +34,7 @@ from outbox_relay.errors import DatabaseError, DatabaseUnavailable, TransientErr
 from outbox_relay.gid import Gid, lock_class
 from outbox_relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
 from outbox_relay.resolver.ledger import AmqpLedger
-from outbox_relay.resolver.metrics import HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.metrics import FOREIGN_REASONS, HORIZON_HOLDERS, ResolverMetrics
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.store import PostgresPreparedStore
 from outbox_relay.resolver.watch import orphaned
@@ -126,7 +126,8 @@ class Resolver(Loop):
         self.ledger: Ledger = ledger or AmqpLedger(
             settings.amqp_url, stream=settings.ledger_stream, max_age=settings.ledger_max_age,
             read_timeout=settings.ledger_read_timeout, connect_timeout=settings.connect_timeout)
-        self._not_ours: set[str] = set()  # gids of another role, already warned about
+        self._not_ours: set[str] = set()  # gids of another relays' role, already warned about
+        self._foreign: set[tuple[str, int]] = set()  # (gid, xid) no relay made, said already
         self._rejected: set[tuple[str, object]] = set()  # (gid, stream offset) logged already
         self._next_stats = 0.0
         self._stats_failing = False
@@ -221,14 +222,24 @@ class Resolver(Loop):
         self.metrics.blocked_keys.set(blocked)
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
-        """Prepared batches whose relay is gone, or that passed the hard limit."""
+        """Prepared batches whose relay is gone, or that passed the hard limit.
+
+        Any role may PREPARE under a gid of our prefix: one that no relay could have made
+        (``foreign``) is left alone, counted and logged once, and never stops the scan.
+        """
         alive: set[int] = set()
         candidates = []
         self._not_ours &= {xact.gid for xact in prepared}
+        self._foreign &= {(xact.gid, xact.xid) for xact in prepared}
+        foreign = dict.fromkeys(FOREIGN_REASONS, 0)
         for xact in prepared:
             gid = Gid.parse(xact.gid)
-            if gid is None or gid.prefix != self.settings.gid_prefix:
-                continue  # not of our format: never ours to finish
+            reason = self._foreign_reason(gid, xact)
+            if reason is not None:
+                foreign[reason] += 1
+                self._leave_alone(xact, reason)
+                continue
+            assert gid is not None
             if not self.store.role.may_finish(xact.owner):
                 # PostgreSQL would refuse: only the preparing role or a superuser may finish it.
                 if xact.gid not in self._not_ours:
@@ -253,7 +264,32 @@ class Resolver(Loop):
                     candidates.append(xact)
                 else:
                     alive.add(gid.instance)
+        for reason, count in foreign.items():
+            self.metrics.foreign_prepared.labels(reason).set(count)
         return candidates
+
+    def _foreign_reason(self, gid: Gid | None, xact: PreparedXact) -> str | None:
+        """Why no relay made ``xact`` (a FOREIGN_REASONS value), or None: it may be a relay's.
+        A relay's gid parses (Gid.parse refuses what a relay never makes: an instance that is
+        no int4 lock key, a sequence over 63 bits), and its role reads the ledger key."""
+        if gid is None or gid.prefix != self.settings.gid_prefix:
+            return "gid"
+        if not xact.owner_reads_key:
+            return "owner"
+        return None
+
+    def _leave_alone(self, xact: PreparedXact, reason: str) -> None:
+        """Say once per transaction that ``xact`` is left alone; the watch then ignores it."""
+        if (xact.gid, xact.xid) in self._foreign:
+            return
+        self._foreign.add((xact.gid, xact.xid))
+        log.warning(
+            "prepared transaction %s of our gid prefix is no relay's (%s): left alone; it holds "
+            "its locks and VACUUM until someone finishes it by hand", ascii(xact.gid),
+            "not a gid a relay makes" if reason == "gid" else
+            f"role {xact.owner!r} cannot read the ledger key",
+            extra={"action": "foreign_prepared", "gid": xact.gid, "owner": xact.owner,
+                   "reason": reason})
 
     def _ledger_gids(self, since: datetime,
                      candidates: dict[str, ledger.Expected]) -> dict[str, int]:
@@ -350,5 +386,6 @@ class Resolver(Loop):
                 prepared, live = self.store.watch(prefix, self.lock_class)
             except DatabaseError:
                 return  # the scan that follows meets the same error and handles it
-            if orphaned(prepared, set(live), prefix, self._not_ours):
+            if orphaned(prepared, set(live), prefix,
+                        self._not_ours | {gid for gid, _xid in self._foreign}):
                 return

@@ -371,14 +371,20 @@ SELECT coalesce((SELECT array_agg(gid) FROM pg_prepared_xacts
 SELECT key, current_database() FROM {ledger_key} WHERE singleton;
 
 -- name: prepared_of_prefix
--- This database's prepared transactions with our gid prefix; anything else is not ours. The
--- xid and database are what a batch's ledger record must name.
-SELECT gid, prepared, owner,
-       extract(epoch FROM now() - prepared)::float8 AS age_seconds,
-       transaction::text::bigint AS xid, database
-FROM pg_prepared_xacts
-WHERE database = current_database() AND starts_with(gid, %(prefix)s)
-ORDER BY prepared;
+-- This database's prepared transactions with our gid prefix (another database's are not ours:
+-- COMMIT PREPARED would fail there, and their gids need not even be valid in our encoding).
+-- The xid and database are what a batch's ledger record must name. owner_reads_key: whether
+-- the preparing role may read the ledger key (ledger_key: its quoted name), as every
+-- relay's role must; any role may PREPARE under a gid of our shape, and one that cannot read
+-- the key is no relay's (a role dropped since has no name here: false).
+SELECT p.gid, p.prepared, p.owner,
+       extract(epoch FROM now() - p.prepared)::float8 AS age_seconds,
+       p.transaction::text::bigint AS xid, p.database,
+       coalesce(has_table_privilege(r.oid, to_regclass(%(ledger_key)s), 'SELECT'), false)
+           AS owner_reads_key
+FROM pg_prepared_xacts p LEFT JOIN pg_roles r ON r.rolname = p.owner
+WHERE p.database = current_database() AND starts_with(p.gid, %(prefix)s)
+ORDER BY p.prepared;
 
 -- name: session_role
 -- Who may finish a prepared transaction: the role that prepared it (pg_prepared_xacts.owner is

@@ -126,6 +126,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "so it is left alone (once per batch); run the resolver as the relays' role",
     ),
     LogAction(
+        ("foreign_prepared",), "WARNING", "resolver",
+        "`gid`, `owner`, `reason` (`gid`, `owner`)",
+        "a prepared transaction of the gid prefix that no relay made (`gid`: not a gid a relay "
+        "makes; `owner`: its role cannot read the ledger key): left alone, counted in "
+        "`outbox_resolver_foreign_prepared_transactions`, logged once per transaction; it holds "
+        "its locks and VACUUM until someone finishes it by hand",
+    ),
+    LogAction(
         ("hard_limit_reached",), "WARNING", "resolver",
         "`gid`",
         "a batch of a relay that looks alive passed `OUTBOX_RESOLVER_HARD_LIMIT` and is resolved "

@@ -574,6 +574,9 @@ class FakeCluster:
 
     def __init__(self, database: str = "app") -> None:
         self.database = database
+        # Roles that may read the ledger key (GRANT SELECT, or superusers): a relay's role is
+        # one of them; any other role's prepared transaction is no relay's.
+        self.key_readers = {"relay", "other_relays", "postgres"}
         self.now = 0.0
         self.prepared: dict[str, tuple[PreparedXact, float]] = {}  # gid -> (xact, prepared at)
         self.locks: dict[tuple[int, int], str] = {}  # (class, instance) -> holding session
@@ -587,7 +590,7 @@ class FakeCluster:
         self._xid += 1
         when = self.now if at is None else at
         xact = PreparedXact(gid, T0 + timedelta(seconds=when), owner, 0.0, xid=self._xid,
-                            database=self.database)
+                            database=self.database, owner_reads_key=owner in self.key_readers)
         self.prepared[gid] = (xact, when)
         return xact
 

@@ -158,7 +158,7 @@ def test_a_batch_past_the_hard_limit_is_decided_even_with_its_relay_alive(
 
 def test_a_batch_of_another_role_is_skipped_and_said_once(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
-    foreign = world.batch(0xA, owner="someone_else")
+    foreign = world.batch(0xA, owner="other_relays")  # relays of another role (it reads the key)
     resolver = world.resolver()
 
     with caplog.at_level(logging.WARNING, logger="resolver"):
@@ -170,8 +170,8 @@ def test_a_batch_of_another_role_is_skipped_and_said_once(
     assert world.cluster.locks == {}
 
 
-def test_a_superuser_resolver_finishes_any_roles_batch(world: World) -> None:
-    foreign = world.batch(0xA, owner="someone_else")
+def test_a_superuser_resolver_finishes_a_batch_of_any_relays_role(world: World) -> None:
+    foreign = world.batch(0xA, owner="other_relays")
 
     outcomes = world.resolver(role=SessionRole("postgres", superuser=True)).resolve_once()
 

@@ -25,8 +25,8 @@ import pika.data
 import psycopg
 from psycopg import sql
 
-__all__ = ["RawField", "append_to_ledger", "foreign_gids", "poisoned_records",
-           "prepare_foreign"]
+__all__ = ["POISONED_REJECTED_AS", "RawField", "append_to_ledger", "foreign_gids",
+           "poisoned_records", "prepare_foreign"]
 
 
 class RawField(bytes):
@@ -89,6 +89,22 @@ def poisoned_records(gid: str, xid: int, database: str = "outbox"
         "empty": (b"", None),
         "timestamp_header_past_9999": (record(), {"at": FAR_TIMESTAMP}),
     }
+
+
+# What the resolver rejects each of poisoned_records as (outbox_relay/ledger.py's reasons):
+# unauthenticated without a mac that can be a signature, malformed when it cannot be read or
+# its fields checked, oversized (not read) over MAX_RECORD_BYTES.
+POISONED_REJECTED_AS = {
+    "non_ascii_mac": "unauthenticated", "escaped_non_ascii_mac": "unauthenticated",
+    "lone_surrogate_mac": "unauthenticated", "mac_not_a_string": "unauthenticated",
+    "mac_of_another_length": "unauthenticated", "wrong_types_everywhere": "malformed",
+    "bool_for_ints": "malformed", "nan_and_infinity": "malformed",
+    "number_of_3800_digits": "malformed", "nested_1900_deep": "malformed",
+    "number_of_10000_digits": "oversized", "float_of_10000_digits": "oversized",
+    "nested_100000_deep": "oversized", "huge": "oversized", "gid_not_a_string": "malformed",
+    "not_json": "malformed", "not_utf8_in_a_string": "malformed", "not_an_object": "malformed",
+    "empty": "malformed", "timestamp_header_past_9999": "unauthenticated",
+}
 
 
 def append_to_ledger(amqp_url: str, stream: str, records: Mapping[str, tuple[bytes,

@@ -11,9 +11,11 @@ it (types-pika, pika-stubs) describe pika 1.2 at best: pika objects are ``Any`` 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
+import pika.data
 from pika.adapters.blocking_connection import _IoloopTimerContext
 
 # A connection attempt that times out raises this, not an AMQPConnectionError.
@@ -21,7 +23,7 @@ from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 __all__ = ["AMQPConnectorException", "async_channel", "async_connection", "emit_hook",
            "flush_output", "frame_max", "has_transport", "mark_no_ack", "run_until",
-           "terminate_stream", "unhook_emit"]
+           "terminate_stream", "tolerate_out_of_range_fields", "unhook_emit"]
 
 
 def async_connection(blocking: Any) -> Any:
@@ -78,3 +80,34 @@ def unhook_emit(impl: Any) -> None:
 def mark_no_ack(channel: Any, consumer_tag: str) -> None:
     """Have pika take ``consumer_tag`` for a no-ack consumer, so cancelling it rejects nothing."""
     channel._consumers_with_noack.add(consumer_tag)
+
+
+# AMQP field values pika decodes into a Python type that cannot hold every value the wire can:
+# a timestamp ('T', seconds) into a datetime (the year 10000 on raises ValueError), a float or
+# double into an int (NaN and infinities raise). Their type octet and width.
+_NUMBERS = {b"T": (">Q", 8), b"f": (">f", 4), b"d": (">d", 8)}
+_PIKA_DECODE_VALUE = pika.data.decode_value
+
+
+def _decode_value(encoded: bytes, offset: int) -> tuple[Any, int]:
+    try:
+        return _PIKA_DECODE_VALUE(encoded, offset)  # type: ignore[no-any-return]
+    except (ValueError, OverflowError, OSError):
+        kind = encoded[offset:offset + 1]
+        if kind not in _NUMBERS:
+            raise
+        fmt, width = _NUMBERS[kind]
+        return struct.unpack_from(fmt, encoded, offset + 1)[0], offset + 1 + width
+
+
+def tolerate_out_of_range_fields() -> None:
+    """Have pika decode a header value it cannot represent as its raw number, not raise.
+
+    pika decodes a message's headers with the frame, at the connection's level: a header
+    timestamp past the year 9999 (RabbitMQ keeps it through a stream) raised ValueError there,
+    and the whole connection was lost. Any user of the vhost can append such a message to the
+    ledger stream, and every ledger read then failed on it (issue 32). pika's table decoder
+    looks ``decode_value`` up as a module global, nested tables and arrays included, so this
+    replaces it for the process; in-range values decode as before.
+    """
+    pika.data.decode_value = _decode_value

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
+from outbox_relay import ledger
 from outbox_relay.model import Decision
 from outbox_relay.runtime.metrics import SERVERS, standard_collectors, version
 
 DECISIONS = tuple(Decision)
 
-# Why the resolver ignored a ledger record naming an in-doubt batch.
-LEDGER_REJECTIONS = ("unauthenticated", "other_transaction")
+# Why the resolver ignored a ledger record (outbox_relay/ledger.py).
+LEDGER_REJECTIONS = ledger.REJECTIONS
 
 # Why the resolver leaves alone a prepared transaction of its gid prefix that no relay made: gid
 # (not a gid a relay makes: another format, an instance of 2^31 or more, a sequence of 2^63 or
@@ -86,9 +87,11 @@ class ResolverMetrics:
             registry=r)
         self.ledger_rejected = Counter(
             "outbox_resolver_ledger_records_rejected_total",
-            "Ledger records naming an in-doubt batch that prove nothing about it, by reason "
-            "(unauthenticated: not signed with the ledger key, a forgery; other_transaction: "
-            "signed for another xid or database); each is ignored and counted once",
+            "Ledger records the resolver ignored, by reason: naming an in-doubt batch, "
+            "unauthenticated (no valid signature of the ledger key: a forgery) or other_transaction "
+            "(signed for another xid or database); malformed (not a ledger record's JSON, or a "
+            "record of an in-doubt batch whose fields cannot be checked) or oversized (over "
+            f"{ledger.MAX_RECORD_BYTES} bytes, not read); each is counted once",
             ["reason"], registry=r)
         self.reconnects = Counter(
             "outbox_resolver_reconnects_total", "Successful reconnections, by server", ["server"],

@@ -128,7 +128,7 @@ class Resolver(Loop):
             read_timeout=settings.ledger_read_timeout, connect_timeout=settings.connect_timeout)
         self._not_ours: set[str] = set()  # gids of another relays' role, already warned about
         self._foreign: set[tuple[str, int]] = set()  # (gid, xid) no relay made, said already
-        self._rejected: set[tuple[str, object]] = set()  # (gid, stream offset) logged already
+        self._rejected: set[tuple[str | None, int | None]] = set()  # (gid, offset) logged already
         self._next_stats = 0.0
         self._stats_failing = False
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
@@ -304,7 +304,8 @@ class Resolver(Loop):
         self.health.beat()
 
     def _reject(self, rejected: ledger.Rejected) -> None:
-        """A record naming an in-doubt batch that proves nothing: ignored, said once."""
+        """A record that cannot be read, or names an in-doubt batch and proves nothing: ignored,
+        said once."""
         seen = (rejected.gid, rejected.offset)
         if seen in self._rejected:
             return

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outbox_relay.ledger import MAX_RECORD_BYTES
+
 
 @dataclass(frozen=True)
 class LogAction:
@@ -141,9 +143,12 @@ ACTIONS: tuple[LogAction, ...] = (
     ),
     LogAction(
         ("ledger_record_rejected",), "WARNING", "resolver",
-        "`gid`, `reason` (`unauthenticated`, `other_transaction`), `offset`",
+        "`gid` (null when it names none), `reason` (`unauthenticated`, `other_transaction`, "
+        "`malformed`, `oversized`), `offset`",
         "a ledger record names an in-doubt batch but was not signed with the ledger key, or names "
-        "another transaction (xid, database): ignored, logged once per record",
+        "another transaction (xid, database); or it cannot be read or checked at all (not JSON, "
+        "not an object, fields of the wrong type or range, over "
+        f"{MAX_RECORD_BYTES} bytes): ignored, logged once per record",
     ),
     LogAction(
         ("scan_failed", "resolver_recovered"), "WARNING, INFO", "resolver",

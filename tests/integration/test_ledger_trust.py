@@ -22,6 +22,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker, launch
+from devenv.hostile import POISONED_REJECTED_AS, append_to_ledger, poisoned_records
 from devenv.servers import PostgresServer, RabbitServer
 from outbox_relay import ledger
 from outbox_relay.tables import Tables
@@ -318,4 +319,45 @@ def test_resolver_reads_a_long_ledger_on_progress_not_elapsed_time(tenv: Env) ->
 
     assert code == 0, lines
     assert [line["gid"] for line in actions(lines, "resolved_committed")] == [gid]
+    finish_and_check(env, produced)
+
+
+# -- records no check may raise on (issue 32) ----------------------------------------------------
+
+def test_the_poisoned_record_of_issue_32_no_longer_stops_the_takeover(tenv: Env) -> None:
+    """The record of the issue: a non-ASCII mac (hmac.compare_digest raised TypeError, the read
+    failed, the batch stayed prepared). Appended as any user of the vhost can."""
+    env = tenv
+    gid, produced = unpublished_in_doubt_batch(env)
+    records = poisoned_records(gid, prepared_xid(env, gid))
+    append_to_ledger(env.amqp_url, env.ledger_stream, [records["non_ascii_mac"]])
+
+    code, lines = resolve_once(env)
+
+    assert code == 0, lines
+    assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
+    (rejected,) = actions(lines, "ledger_record_rejected")
+    assert (rejected["gid"], rejected["reason"]) == (gid, "unauthenticated"), rejected
+    finish_and_check(env, produced)
+
+
+def test_no_record_of_any_bytes_stops_the_takeover(tenv: Env) -> None:
+    """Every kind of devenv.hostile.poisoned_records in the ledger at once, before a genuine
+    record of another batch: each is rejected and logged once, with its reason, and both
+    batches are decided (the genuine one committed)."""
+    env = tenv
+    gid, produced = unpublished_in_doubt_batch(env)
+    records = poisoned_records(gid, prepared_xid(env, gid))
+    assert set(records) == set(POISONED_REJECTED_AS)
+    append_to_ledger(env.amqp_url, env.ledger_stream, records)
+
+    code, lines = resolve_once(env)
+
+    assert code == 0, lines
+    assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
+    rejected = actions(lines, "ledger_record_rejected")
+    assert sorted(line["reason"] for line in rejected) == sorted(
+        POISONED_REJECTED_AS.values()), rejected
+    assert all(line.get("gid") in (gid, None) for line in rejected), rejected
+    assert len({line["offset"] for line in rejected}) == len(POISONED_REJECTED_AS)
     finish_and_check(env, produced)

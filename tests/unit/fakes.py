@@ -19,8 +19,9 @@ is one PostgreSQL server's prepared transactions and session-level advisory lock
 the sessions opened on it (``FakePreparedStore``: one per resolver, ``relay_session`` for a
 live relay), with the server's rules: only the preparing role or a superuser may finish a
 transaction, one that no longer exists is "already finished" (42704), a session's locks go
-with it. ``FakeLedger`` holds records and applies the real checks (``outbox_relay.ledger.check_batch``)
-to those from the read's start time on.
+with it. ``FakeLedger`` holds records as bytes (any bytes: ``append``) and applies the real
+reading and checks (``outbox_relay.ledger.read_record``, ``check_batch``) to those from the
+read's start time on.
 """
 
 from __future__ import annotations
@@ -698,7 +699,7 @@ class FakeLedger:
 
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster  # its clock stamps the records
-        self.records: list[tuple[datetime, dict[str, Any]]] = []
+        self.records: list[tuple[datetime, bytes]] = []  # (appended at, body)
         self.reads: list[LedgerRead] = []
         self.is_connected = False
         self.during_read: list[Callable[[], object]] = []  # run once each, inside a read
@@ -724,6 +725,10 @@ class FakeLedger:
             database=xact.database if database is None else database, count=count,
             relay="00000abc"))
         body.update(tampered or {})
+        self.append(json.dumps(body).encode())
+
+    def append(self, body: bytes) -> None:
+        """Any bytes, as any user of the vhost may append them."""
         self.records.append((T0 + timedelta(seconds=self.cluster.now), body))
 
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
@@ -740,10 +745,14 @@ class FakeLedger:
         for offset, (at, body) in enumerate(self.records):
             if at < since:
                 continue
-            verdict = ledger.check_batch(body, key=key, candidates=candidates, offset=offset)
+            record = ledger.read_record(body, offset=offset)
+            if isinstance(record, ledger.Rejected):
+                on_rejected(record)
+                continue
+            verdict = ledger.check_batch(record, key=key, candidates=candidates, offset=offset)
             if isinstance(verdict, ledger.Rejected):
                 on_rejected(verdict)
             elif verdict is not None:
-                found[body["gid"]] = verdict
+                found[record["gid"]] = verdict
         on_progress()
         return found

@@ -43,6 +43,19 @@ def test_the_channel_keeps_its_no_ack_consumers() -> None:
     assert assigns(pika.channel.Channel, "_consumers_with_noack")
 
 
+def test_the_table_decoder_looks_its_value_decoder_up_by_name() -> None:
+    """tolerate_out_of_range_fields replaces pika.data.decode_value: the table and array
+    decoders must call it through the module's globals."""
+    import pika.data
+
+    from outbox_relay import pika_private
+
+    original = pika_private._PIKA_DECODE_VALUE  # pika's own, whether replaced yet or not
+    assert original.__module__ == "pika.data" and original.__name__ == "decode_value"
+    assert "decode_value(encoded, offset)" in inspect.getsource(pika.data.decode_table)
+    assert "decode_value(encoded, offset)" in inspect.getsource(original)  # arrays
+
+
 def test_a_connection_attempt_that_times_out_still_raises_this() -> None:
     assert issubclass(connection_workflow.AMQPConnectorException, Exception)
 

@@ -15,13 +15,16 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import pika.channel
 import pika.data
+import pika.exceptions
 from pika.adapters.blocking_connection import _IoloopTimerContext
 
 # A connection attempt that times out raises this, not an AMQPConnectionError.
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-__all__ = ["AMQPConnectorException", "async_channel", "async_connection", "emit_hook",
+__all__ = ["AMQPConnectorException", "DroppedBody", "async_channel", "async_connection",
+           "bound_bodies", "emit_hook",
            "flush_output", "frame_max", "has_transport", "mark_no_ack", "run_until",
            "terminate_stream", "tolerate_out_of_range_fields", "unhook_emit"]
 
@@ -111,3 +114,45 @@ def tolerate_out_of_range_fields() -> None:
     replaces it for the process; in-range values decode as before.
     """
     pika.data.decode_value = _decode_value
+
+
+class DroppedBody(bytes):
+    """The (empty) body pika delivers for a message over ``bound_bodies``' limit; ``size`` is
+    the size the message had."""
+
+    size: int = 0
+
+
+class _BoundedAssembler(pika.channel.ContentFrameAssembler):  # type: ignore[misc]
+    """pika's assembler of a message's frames, keeping no body frame of a message over
+    ``limit`` bytes: it counts them and delivers a DroppedBody."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+
+    def _handle_body_frame(self, body_frame: Any) -> Any:
+        size = self._header_frame.body_size
+        if size <= self._limit:
+            return super()._handle_body_frame(body_frame)
+        self._seen_so_far += len(body_frame.fragment)  # the fragment itself is dropped
+        if self._seen_so_far < size:
+            return None
+        if self._seen_so_far > size:
+            raise pika.exceptions.BodyTooLongError(self._seen_so_far, size)
+        dropped = DroppedBody()
+        dropped.size = size
+        content = (self._method_frame, self._header_frame, dropped)
+        self._reset()
+        return content
+
+
+def bound_bodies(channel: Any, limit: int) -> None:
+    """Have the asynchronous ``channel`` keep at most ``limit`` bytes of any message body.
+
+    pika joins a message's body frames in memory before it delivers the message: one ledger
+    record of 100 MiB cost the resolver that twice over, whatever it then did with it. Past
+    ``limit``, each body frame (at most frame_max bytes) is dropped as it arrives and the
+    message is delivered with a DroppedBody.
+    """
+    channel._content_assembler = _BoundedAssembler(limit)

@@ -167,11 +167,14 @@ def read_until_marker(
     # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
     # layer still holds, and a stream answers basic.reject by closing the whole connection.
     channel = pika_private.async_channel(blocking)
+    # A record of any size costs at most this much memory: pika keeps none of a bigger one.
+    pika_private.bound_bodies(channel, ledger.MAX_RECORD_BYTES)
 
     def examine(body: bytes, offset: int | None) -> None:
         """One record: never raises, whatever its bytes (outbox_relay/ledger.py)."""
         nonlocal seen
-        record = ledger.read_record(body, offset=offset)
+        record = ledger.read_record(body, offset=offset, size=(
+            body.size if isinstance(body, pika_private.DroppedBody) else len(body)))
         if isinstance(record, ledger.Rejected):
             on_rejected(record)
             return
@@ -238,6 +241,8 @@ def _stop_reading(blocking: Any, tag: str) -> None:
     the caller finds its connection closed and opens a new one.
     """
     channel = pika_private.async_channel(blocking)
+    # A record of any size costs at most this much memory: pika keeps none of a bigger one.
+    pika_private.bound_bodies(channel, ledger.MAX_RECORD_BYTES)
     try:
         if channel.is_open:
             pika_private.mark_no_ack(channel, tag)

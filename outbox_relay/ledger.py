@@ -87,6 +87,14 @@ class Expected:
     database: str
 
 
+class Found(dict[str, int]):
+    """{gid: message count} of the candidates a ledger read proved committed. ``span``: the
+    first and last stream offsets of the read, which examined every record between them (None
+    when the broker gave no offsets)."""
+
+    span: tuple[int, int] | None = None
+
+
 @dataclass(frozen=True)
 class Rejected:
     """A record that cannot be read or checked, or that names an in-doubt batch but proves

@@ -76,7 +76,7 @@ class AmqpLedger:
 
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]:
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found:
         """{gid: message count} of the candidates with an authentic record from ``since`` up to a
         marker appended now: everything published before this call has been read."""
         if self._conn is None or self._markers is None:
@@ -148,9 +148,9 @@ def read_until_marker(
     idle_timeout: float,
     on_progress: Callable[[], None] = lambda: None,
     on_rejected: Callable[[ledger.Rejected], None] = lambda _r: None,
-) -> dict[str, int]:
+) -> ledger.Found:
     """{gid: message count} of the authentic records of ``candidates`` from ``since`` up to
-    ``marker`` (which must be published, signed with ``key``).
+    ``marker`` (which must be published, signed with ``key``), and the offsets read.
 
     Only the candidates' gids are kept, whatever the ledger holds. The read fails (a
     TransientError) when no record at all arrived for ``idle_timeout`` seconds before the
@@ -158,7 +158,8 @@ def read_until_marker(
     a guess. A record that cannot be read or checked, and a record of a candidate that fails
     the checks, is reported to ``on_rejected`` and ignored: no record stops the read.
     """
-    found: dict[str, int] = {}
+    found = ledger.Found()
+    first: int | None = None  # the read's first stream offset
     seen = False
     received = 0
     unacked = 0
@@ -184,6 +185,8 @@ def read_until_marker(
             return
         if ours:
             seen = True
+            if first is not None and offset is not None:
+                found.span = (first, offset)
             return
         verdict = ledger.check_batch(record, key=key, candidates=candidates, offset=offset)
         if isinstance(verdict, ledger.Rejected):
@@ -192,11 +195,14 @@ def read_until_marker(
             found[record["gid"]] = verdict
 
     def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
-        nonlocal received, unacked
+        nonlocal received, unacked, first
         if seen:
             return  # records after our marker: not needed; released when the channel closes
         received += 1
-        examine(body, _offset(props))
+        offset = _offset(props)
+        if first is None:
+            first = offset
+        examine(body, offset)
         unacked += 1
         if seen or unacked >= ACK_EVERY:
             ch.basic_ack(method.delivery_tag, multiple=True)  # credit for the next records

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -35,6 +36,7 @@ from outbox_relay.gid import Gid, lock_class
 from outbox_relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
 from outbox_relay.resolver.ledger import AmqpLedger
 from outbox_relay.resolver.metrics import FOREIGN_REASONS, HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.rejections import Reported
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.store import PostgresPreparedStore
 from outbox_relay.resolver.watch import orphaned
@@ -47,8 +49,9 @@ log = logging.getLogger("resolver")
 
 # In-doubt batches decided per ledger read (oldest first): bounds what one read must find.
 LEDGER_WINDOW = 256
-# Rejected ledger records remembered so each is logged and counted once.
-REJECTED_MEMORY = 10_000
+# Rejected ledger records logged one line each per scan; the rest of a scan's are counted and
+# said in one line (a ledger full of junk must not flood the log).
+REJECTIONS_LOGGED_PER_SCAN = 100
 # What fails a scan without ending the resolver: it reconnects and scans again.
 SCAN_ERRORS: tuple[type[BaseException], ...] = (TransientError, DatabaseUnavailable)
 # SQLSTATEs of an outbox the resolver cannot read for its stats: missing, not ours to read.
@@ -87,7 +90,7 @@ class Ledger(Protocol):
     def close(self) -> None: ...
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]: ...
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found: ...
 
 
 def resolver_health(settings: ResolverSettings) -> Health:
@@ -128,7 +131,9 @@ class Resolver(Loop):
             read_timeout=settings.ledger_read_timeout, connect_timeout=settings.connect_timeout)
         self._not_ours: set[str] = set()  # gids of another relays' role, already warned about
         self._foreign: set[tuple[str, int]] = set()  # (gid, xid) no relay made, said already
-        self._rejected: set[tuple[str | None, int | None]] = set()  # (gid, offset) logged already
+        self._reported = Reported()  # rejected ledger records counted and logged already
+        self._unlogged: Counter[str] = Counter()  # this scan's, past the logged ones: by reason
+        self._logged = 0  # rejected records logged this scan
         self._next_stats = 0.0
         self._stats_failing = False
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
@@ -143,6 +148,8 @@ class Resolver(Loop):
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
         self._observe_horizon()
         self._observe_outbox()
+        self._reported.keep(xact.gid for xact in prepared)
+        self._logged = 0
         locked: list[int] = []
         try:
             candidates = self._candidates(prepared, locked)
@@ -153,6 +160,7 @@ class Resolver(Loop):
                 outcomes.update(self._resolve(window))
             return outcomes
         finally:
+            self._log_unlogged()
             for instance in locked:
                 self.store.instance_unlock(self.lock_class, instance)
 
@@ -295,8 +303,10 @@ class Resolver(Loop):
                      candidates: dict[str, ledger.Expected]) -> dict[str, int]:
         if not self.ledger.connected:
             self._connect_amqp()
-        return self.ledger.committed(self.store.ledger_key, since, candidates,
-                                     on_progress=self._progress, on_rejected=self._reject)
+        found = self.ledger.committed(self.store.ledger_key, since, candidates,
+                                      on_progress=self._progress, on_rejected=self._reject)
+        self._reported.read(candidates, found.span)
+        return found
 
     def _progress(self) -> None:
         """A long ledger read that is moving: the loop is alive."""
@@ -305,17 +315,29 @@ class Resolver(Loop):
 
     def _reject(self, rejected: ledger.Rejected) -> None:
         """A record that cannot be read, or names an in-doubt batch and proves nothing: ignored,
-        said once."""
-        seen = (rejected.gid, rejected.offset)
-        if seen in self._rejected:
+        counted and logged once (resolver/rejections.py), whatever scans read it again."""
+        if not self._reported.first_time(rejected.gid, rejected.offset):
             return
-        if len(self._rejected) >= REJECTED_MEMORY:
-            self._rejected.clear()
-        self._rejected.add(seen)
         self.metrics.ledger_rejected.labels(rejected.reason).inc()
+        if self._logged >= REJECTIONS_LOGGED_PER_SCAN:
+            self._unlogged[rejected.reason] += 1
+            return
+        self._logged += 1
         log.warning("ledger record rejected (%s): %s", rejected.reason, rejected.detail, extra={
             "action": "ledger_record_rejected", "gid": rejected.gid, "reason": rejected.reason,
             "offset": rejected.offset})
+
+    def _log_unlogged(self) -> None:
+        """One line for the rejected records of this scan past those logged one by one."""
+        if not self._unlogged:
+            return
+        counts = dict(sorted(self._unlogged.items()))
+        self._unlogged.clear()
+        log.warning(
+            "%d more ledger records rejected in this scan, counted but not logged one by one: %s",
+            sum(counts.values()), ", ".join(f"{n} {reason}" for reason, n in counts.items()),
+            extra={"action": "ledger_records_rejected_unlogged", "count": sum(counts.values()),
+                   "reasons": counts})
 
     # -- connections and the loop -----------------------------------------------------------
 

@@ -148,7 +148,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "a ledger record names an in-doubt batch but was not signed with the ledger key, or names "
         "another transaction (xid, database); or it cannot be read or checked at all (not JSON, "
         "not an object, fields of the wrong type or range, over "
-        f"{MAX_RECORD_BYTES} bytes): ignored, logged once per record",
+        f"{MAX_RECORD_BYTES} bytes): ignored, logged once per record however many scans read "
+        "it (at most 100 lines a scan: `ledger_records_rejected_unlogged`)",
+    ),
+    LogAction(
+        ("ledger_records_rejected_unlogged",), "WARNING", "resolver",
+        "`count`, `reasons` (`{reason: count}`)",
+        "the ledger records rejected in one scan past the first 100 (each logged once as "
+        "`ledger_record_rejected`): counted in the metric, said in this one line",
     ),
     LogAction(
         ("scan_failed", "resolver_recovered"), "WARNING, INFO", "resolver",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -25,9 +26,10 @@ from psycopg.types.json import Jsonb
 from devenv import checker, launch
 from devenv.hostile import POISONED_REJECTED_AS, append_to_ledger, poisoned_records
 from devenv.memory import status_kib
-from devenv.servers import PostgresServer, RabbitServer
+from devenv.servers import PostgresServer, RabbitServer, free_port
 from outbox_relay import ledger
 from outbox_relay.tables import Tables
+from tests.acceptance.test_metrics import scrape
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_hostile_rows import dead_letters, insert
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -387,4 +389,39 @@ def test_a_ledger_read_keeps_no_big_record_in_memory(tenv: Env) -> None:
     lines = [json.loads(line) for line in log_of(resolver).splitlines() if line.startswith("{")]
     assert [line["reason"] for line in actions(lines, "ledger_record_rejected")] == ["oversized"] * 2
     assert peak - baseline < 16 * 1024, (baseline, peak)  # KiB; one body would be 64 MiB
+    finish_and_check(env, produced)
+
+
+def test_over_10000_rejected_records_are_counted_and_logged_once(tenv: Env) -> None:
+    """10,500 records that cannot be read, in the window of two takeovers by one running
+    resolver: the resolver remembered 10,000 and emptied its memory, so each was logged again
+    on every scan. Now: counted once, 100 lines and one summary line in all."""
+    env = tenv
+    port = free_port()
+    # Both reads start 600 s before their batch: every junk record is in both windows.
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="600", OUTBOX_LOG_FORMAT="json",
+                         OUTBOX_METRICS_PORT=str(port), OUTBOX_METRICS_HOST="127.0.0.1",
+                         OUTBOX_LEDGER_READ_MARGIN="600")
+    wait_until(lambda: "resolver_started" in log_of(resolver), 30, "the resolver to start")
+    append_to_ledger(env.amqp_url, env.ledger_stream,
+                     [(b"junk %d" % n, None) for n in range(10_500)])
+    produced: list[str] = []
+    for takeover in (1, 2):
+        with env.connect() as conn:
+            produced += checker.insert_events(conn, env.table, 40, exchange=env.exchange,
+                                              routing_key=env.routing_key, keys=40,
+                                              prefix=f"ev{takeover}")
+        doomed = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH),
+                           OUTBOX_TEST_CRASH_AT="after_prepare")
+        assert doomed.wait(60) == -signal.SIGKILL, log_of(doomed)
+        wait_until(lambda n=takeover: log_of(resolver).count("resolved_rolled_back") == n, 60,
+                   "the watch's takeover")
+    text = scrape(port)
+    assert stop(resolver) == 0, log_of(resolver)
+    lines = [json.loads(line) for line in log_of(resolver).splitlines() if line.startswith("{")]
+    assert len(actions(lines, "ledger_record_rejected")) == 100
+    (summary,) = actions(lines, "ledger_records_rejected_unlogged")
+    assert summary["reasons"] == {"malformed": 10_400}, summary
+    assert re.search(r'^outbox_resolver_ledger_records_rejected_total\{reason="malformed"\} '
+                     r'10500\.0$', text, re.M), text
     finish_and_check(env, produced)

@@ -704,6 +704,7 @@ class FakeLedger:
         self.is_connected = False
         self.during_read: list[Callable[[], object]] = []  # run once each, inside a read
         self.failures: list[TransientError] = []  # raised by the next reads
+        self.lost_at_end: list[TransientError] = []  # raised by the next reads, once read
 
     @property
     def connected(self) -> bool:
@@ -733,7 +734,7 @@ class FakeLedger:
 
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]:
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found:
         if not self.is_connected:
             raise ProtocolViolation("ledger read while disconnected")
         self.reads.append(LedgerRead(since, dict(candidates)))
@@ -741,10 +742,10 @@ class FakeLedger:
             self.during_read.pop(0)()
         if self.failures:
             raise self.failures.pop(0)
-        found: dict[str, int] = {}
-        for offset, (at, body) in enumerate(self.records):
-            if at < since:
-                continue
+        found = ledger.Found()
+        read = [offset for offset, (at, _body) in enumerate(self.records) if at >= since]
+        for offset in read:
+            body = self.records[offset][1]
             record = ledger.read_record(body, offset=offset)
             if isinstance(record, ledger.Rejected):
                 on_rejected(record)
@@ -754,5 +755,9 @@ class FakeLedger:
                 on_rejected(verdict)
             elif verdict is not None:
                 found[record["gid"]] = verdict
+        if self.lost_at_end:  # the connection lost after the records, before the marker
+            raise self.lost_at_end.pop(0)
+        # The real read ends on its own marker, appended now: one offset past the last record.
+        found.span = (read[0] if read else len(self.records), len(self.records))
         on_progress()
         return found

@@ -14,6 +14,14 @@ transactions anyway. A batch record also names the prepared transaction's xid an
 the resolver checks both against ``pg_prepared_xacts``: a genuine record of an earlier
 transaction that had the same gid proves nothing about this one.
 
+**Key id.** Every record a relay or resolver writes carries ``kid``, a short id of the key
+that signed it (``key_id``: the first 8 bytes of HMAC(key, "outbox-ledger key-id"), which
+tells nothing about the key). A record whose signature fails and whose key id is not ours reads
+as "other_key" (a key replaced since, or a relay of another OUTBOX_TABLE, so of another key),
+not as a forgery. The id is not signed, so it decides nothing: a forger may write any, which is
+why the detail says "or a forgery"; what a record proves rests on its signature alone, and a
+record without a key id (written by an earlier version) is checked as before.
+
 **Any bytes.** A stream holds whatever any user of the vhost appends, so reading and checking a
 record never raises, whatever its bytes (``hmac.compare_digest`` raises TypeError on a
 non-ASCII str; a record of any size was parsed whole; issue 32): ``read_record`` and the checks
@@ -23,6 +31,7 @@ once and reads on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -40,10 +49,17 @@ MAX_RECORD_BYTES = 4096
 # What a record may hold: a mac is 64 lowercase hex digits (compared as ASCII text only); the
 # numbers and names of a batch fit PostgreSQL's types.
 _MAC = re.compile(r"[0-9a-f]{64}")
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
 _INT_LIMIT = 1 << 63
 _TEXT_LIMIT = 1024
 # Why a record was rejected (outbox_resolver_ledger_records_rejected_total's reason label).
-REJECTIONS = ("unauthenticated", "other_transaction", "malformed", "oversized")
+REJECTIONS = ("unauthenticated", "other_key", "other_transaction", "malformed", "oversized")
+
+
+@functools.lru_cache(maxsize=8)
+def key_id(key: bytes) -> str:
+    """A short public id of ``key`` (16 hex digits), carried in every record as ``kid``."""
+    return hmac.new(key, b"outbox-ledger key-id", hashlib.sha256).hexdigest()[:16]
 
 
 def _mac(key: bytes, fields: list[Any]) -> str:
@@ -58,11 +74,11 @@ def batch_record(key: bytes, *, gid: str, xid: int, database: str, count: int,
     mac = _mac(key, ["batch", gid, xid, database, count, relay])
     return json.dumps({"type": "batch", "v": VERSION, "gid": gid, "xid": xid,
                        "database": database, "count": count, "relay": relay,
-                       "mac": mac}).encode()
+                       "kid": key_id(key), "mac": mac}).encode()
 
 
 def marker_record(key: bytes, marker: str) -> bytes:
-    return json.dumps({"type": "marker", "v": VERSION, "marker": marker,
+    return json.dumps({"type": "marker", "v": VERSION, "marker": marker, "kid": key_id(key),
                        "mac": _mac(key, ["marker", marker])}).encode()
 
 
@@ -135,7 +151,22 @@ def _batch_problem(record: dict[str, Any]) -> str | None:
                         ("relay", _is_text)):
         if not valid(record.get(name)):
             return f"{name} is {_show(record.get(name))}"
+    kid = record.get("kid")
+    if "kid" in record and not (isinstance(kid, str) and _KEY_ID.fullmatch(kid)):
+        return f"kid is {_show(kid)}, not 16 hex digits"
     return None
+
+
+def _unproven(gid: str, record: dict[str, Any], key: bytes, offset: int | None,
+              why: str) -> Rejected:
+    """A record of ``gid`` without a valid signature of ``key``: of another key when it says
+    so, else a forgery."""
+    kid = record.get("kid")
+    if isinstance(kid, str) and kid != key_id(key):
+        return Rejected(gid, "other_key", offset,
+                        f"signed with key id {kid}, the ledger key's is {key_id(key)}: a key "
+                        "replaced since, a relay of another OUTBOX_TABLE, or a forgery")
+    return Rejected(gid, "unauthenticated", offset, why)
 
 
 def _signature(mac: Any) -> str | None:
@@ -182,11 +213,11 @@ def _check_batch(record: dict[str, Any], *, key: bytes, candidates: Mapping[str,
         return Rejected(gid, "malformed", offset, problem)
     mac = _signature(record.get("mac"))
     if mac is None:
-        return Rejected(gid, "unauthenticated", offset,
-                        f"mac is {_show(record.get('mac'))}, not 64 hex digits")
+        return _unproven(gid, record, key, offset,
+                         f"mac is {_show(record.get('mac'))}, not 64 hex digits")
     fields = [gid, record["xid"], record["database"], record["count"], record["relay"]]
     if not hmac.compare_digest(_mac(key, ["batch", *fields]), mac):
-        return Rejected(gid, "unauthenticated", offset, "no valid signature of the ledger key")
+        return _unproven(gid, record, key, offset, "no valid signature of the ledger key")
     expected = candidates[gid]
     if record["xid"] != expected.xid or record["database"] != expected.database:
         return Rejected(

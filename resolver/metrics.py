@@ -88,8 +88,10 @@ class ResolverMetrics:
         self.ledger_rejected = Counter(
             "outbox_resolver_ledger_records_rejected_total",
             "Ledger records the resolver ignored, by reason: naming an in-doubt batch, "
-            "unauthenticated (no valid signature of the ledger key: a forgery) or other_transaction "
-            "(signed for another xid or database); malformed (not a ledger record's JSON, or a "
+            "unauthenticated (no valid signature of the ledger key: a forgery), other_key (no "
+            "valid signature, and the key id of another key: a key replaced since, or relays of "
+            "another table) or other_transaction (signed for another xid or database); "
+            "malformed (not a ledger record's JSON, or a "
             "record of an in-doubt batch whose fields cannot be checked) or oversized (over "
             f"{ledger.MAX_RECORD_BYTES} bytes, not read); each is counted once",
             ["reason"], registry=r)

@@ -143,10 +143,11 @@ ACTIONS: tuple[LogAction, ...] = (
     ),
     LogAction(
         ("ledger_record_rejected",), "WARNING", "resolver",
-        "`gid` (null when it names none), `reason` (`unauthenticated`, `other_transaction`, "
-        "`malformed`, `oversized`), `offset`",
-        "a ledger record names an in-doubt batch but was not signed with the ledger key, or names "
-        "another transaction (xid, database); or it cannot be read or checked at all (not JSON, "
+        "`gid` (null when it names none), `reason` (`unauthenticated`, `other_key`, "
+        "`other_transaction`, `malformed`, `oversized`), `offset`",
+        "a ledger record names an in-doubt batch but was not signed with the ledger key (with "
+        "the key id of another key: `other_key`), or names another transaction (xid, "
+        "database); or it cannot be read or checked at all (not JSON, "
         "not an object, fields of the wrong type or range, over "
         f"{MAX_RECORD_BYTES} bytes): ignored, logged once per record however many scans read "
         "it (at most 100 lines a scan: `ledger_records_rejected_unlogged`)",

@@ -159,3 +159,64 @@ def test_header_values_pika_cannot_represent_decode_as_numbers() -> None:
     assert decoded["a3"] == [2**40]
     assert isinstance(decoded["a4"], datetime)  # what pika decodes in range is unchanged
     assert decoded["a5"] == "ok"
+
+
+# -- the key id -------------------------------------------------------------------------------
+
+OTHER_KEY = b"o" * 32
+
+
+def test_every_record_carries_the_id_of_its_key() -> None:
+    kid = ledger.key_id(LEDGER_KEY)
+
+    assert len(kid) == 16 and int(kid, 16) >= 0 and kid != ledger.key_id(OTHER_KEY)
+    assert json.loads(genuine())["kid"] == kid
+    assert json.loads(ledger.marker_record(LEDGER_KEY, "marker-1"))["kid"] == kid
+
+
+def test_a_record_of_another_key_reads_as_other_key_not_as_a_forgery() -> None:
+    found = verdict(ledger.batch_record(OTHER_KEY, gid=GID, xid=XID, database="app", count=3,
+                                        relay="0000000a"))
+
+    assert isinstance(found, ledger.Rejected) and found.reason == "other_key"
+    assert ledger.key_id(OTHER_KEY) in found.detail and ledger.key_id(LEDGER_KEY) in found.detail
+
+
+def test_the_key_id_decides_nothing() -> None:
+    """It is not signed: a forger copying our id is a forgery; a relay's record whose id was
+    changed is still proven by its signature."""
+    forged = {**json.loads(ledger.batch_record(OTHER_KEY, gid=GID, xid=XID, database="app",
+                                               count=3, relay="x")),
+              "kid": ledger.key_id(LEDGER_KEY)}
+    relabelled = {**json.loads(genuine()), "kid": ledger.key_id(OTHER_KEY)}
+
+    found = verdict(json.dumps(forged).encode())
+    assert isinstance(found, ledger.Rejected) and found.reason == "unauthenticated"
+    assert verdict(json.dumps(relabelled).encode()) == 3
+
+
+def test_a_record_of_the_previous_version_without_key_id_is_checked_as_before() -> None:
+    def previous(key: bytes) -> bytes:  # outbox_relay/ledger.py's batch_record at 7f35abe
+        mac = ledger._mac(key, ["batch", GID, XID, "app", 3, "0000000a"])
+        return json.dumps({"type": "batch", "v": 1, "gid": GID, "xid": XID, "database": "app",
+                           "count": 3, "relay": "0000000a", "mac": mac}).encode()
+
+    assert verdict(previous(LEDGER_KEY)) == 3
+    found = verdict(previous(OTHER_KEY))
+    assert isinstance(found, ledger.Rejected) and found.reason == "unauthenticated"
+
+
+def test_a_previous_resolver_still_believes_a_record_with_a_key_id() -> None:
+    """The id is outside the signature: resolvers of 7f35abe read new relays' records (a
+    rolling upgrade decides batches in doubt as before)."""
+    record = json.loads(genuine())
+    fields = [record[name] for name in ("gid", "xid", "database", "count", "relay")]
+
+    assert ledger._mac(LEDGER_KEY, ["batch", *fields]) == record["mac"]
+
+
+@pytest.mark.parametrize("kid", [None, 5, ["a"], "g" * 16, "0" * 15, "é" * 16, "0" * 64])
+def test_a_key_id_that_cannot_be_one_is_malformed(kid: object) -> None:
+    found = verdict(json.dumps({**json.loads(genuine()), "kid": kid}).encode())
+
+    assert isinstance(found, ledger.Rejected) and found.reason == "malformed"

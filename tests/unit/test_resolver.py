@@ -19,6 +19,7 @@ from outbox_relay.resolver.metrics import ResolverMetrics
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import (
+    LEDGER_KEY,
     RELAY_ROLE,
     T0,
     FakeCluster,
@@ -239,7 +240,10 @@ def test_candidates_are_decided_oldest_first_a_window_per_ledger_read(world: Wor
 
 
 @pytest.mark.parametrize(("forgery", "reason"), [
-    ({"key": b"not the ledger key" * 2}, "unauthenticated"),  # anyone may append to a stream
+    ({"key": b"not the ledger key" * 2}, "other_key"),  # a key replaced, another table's
+    ({"key": b"not the ledger key" * 2,  # a forger who copies our key id
+      "tampered": {"kid": ledger.key_id(LEDGER_KEY)}}, "unauthenticated"),
+    ({"tampered": {"mac": "0" * 64, "kid": None}}, "malformed"),  # anyone may append to a stream
     ({"tampered": {"count": 999}}, "unauthenticated"),  # altered after signing
     ({"xid": 1}, "other_transaction"),  # signed, for another prepared transaction of that gid
     ({"database": "other"}, "other_transaction"),

@@ -52,6 +52,7 @@ class PostgresPreparedStore:
         self.tables = Tables(table)
         self._conn: psycopg.Connection[Any] | None = None
         self._standbys_checked = False
+        self._key_readers_checked = False
         self.ledger_key = b""  # read on connect
         self.role = SessionRole("", superuser=False)
 
@@ -71,6 +72,9 @@ class PostgresPreparedStore:
                 postgres.warn_unchecked(postgres.check_standbys(self._url, conn, self._connect_timeout))
                 self._standbys_checked = True
             self.ledger_key, _database = postgres.read_ledger_key(conn, self.tables)
+            if not self._key_readers_checked:  # once per process
+                postgres.warn_key_readers(conn, self.tables)
+                self._key_readers_checked = True
             self.role = session_role(conn)
         except BaseException:
             conn.close()

@@ -42,6 +42,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "check its `max_prepared_transactions` (a standby below the primary's stops the start)",
     ),
     LogAction(
+        ("ledger_key_readable",), "WARNING", "both",
+        "`roles`, `public`",
+        "start-up: LOGIN roles other than the program's own, superusers and the key table's "
+        "owner can read the ledger key (`SELECT` themselves, through a role they are members "
+        "of, `PUBLIC` or `pg_read_all_data`): whoever reads it can sign ledger records; revoke "
+        "it ([Roles and grants](#roles-and-grants)). Also when the check itself failed",
+    ),
+    LogAction(
         ("connected", "reconnected"), "INFO", "both",
         "`server` (`postgresql`, `rabbitmq`)",
         "first connection; a connection back after a loss",

@@ -458,3 +458,78 @@ def test_a_record_signed_with_a_replaced_key_reads_as_another_key(tenv: Env) -> 
     assert ledger.key_id(old_key) in rejected["message"], rejected
     report = finish_and_check(env, produced, max_duplicates=BATCH)
     assert report.duplicates == BATCH
+
+
+# -- who else can read the key (issue 32) ---------------------------------------------------------
+
+
+@pytest.fixture
+def key_roles(tenv: Env) -> Iterator[dict[str, str]]:
+    """Roles of the test's own: {name: role}; dropped afterwards."""
+    names = {name: f"k{tenv.gid_prefix}_{name}" for name in
+             ("reader", "group", "member", "noinherit", "bystander", "owner")}
+    with tenv.connect() as conn:
+        for name, role in names.items():
+            options = {"group": "NOLOGIN", "noinherit": "LOGIN NOINHERIT"}.get(name, "LOGIN")
+            conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(role)))
+    try:
+        yield names
+    finally:
+        with tenv.connect() as conn:
+            conn.execute(sql.SQL("ALTER TABLE {} OWNER TO CURRENT_USER").format(
+                Tables(tenv.table).ledger_key))
+            for role in names.values():
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def key_warnings(env: Env, program: str) -> list[dict[str, Any]]:
+    """The ledger_key_readable lines of ``program`` at start (the relay is stopped once up)."""
+    if program == "resolver":
+        code, lines = resolve_once(env)
+        assert code == 0, lines
+    else:
+        relay = env.spawn("relay", OUTBOX_LOG_FORMAT="json")
+        wait_until(lambda: "relay_started" in log_of(relay), 30, "the relay to start")
+        time.sleep(0.5)
+        assert stop(relay) == 0, log_of(relay)
+        lines = [json.loads(line) for line in log_of(relay).splitlines() if line.startswith("{")]
+    return actions(lines, "ledger_key_readable")
+
+
+def test_no_warning_when_only_the_programs_role_reads_the_key(tenv: Env,
+                                                              key_roles: dict[str, str]) -> None:
+    assert key_warnings(tenv, "resolver") == []
+
+
+@pytest.mark.parametrize("program", ["relay", "resolver"])
+def test_both_programs_name_every_other_role_that_can_read_the_key(
+        tenv: Env, key_roles: dict[str, str], program: str) -> None:
+    """A grant, an inherited membership, a membership without INHERIT (SET ROLE), a member of
+    the table's owner; never this role, superusers or the owner itself; a role with nothing
+    stays out."""
+    env, roles = tenv, key_roles
+    key, ident = Tables(env.table).ledger_key, sql.Identifier
+    with env.connect() as conn:
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["reader"])))
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["group"])))
+        for member in ("member", "noinherit"):
+            conn.execute(sql.SQL("GRANT {} TO {}").format(ident(roles["group"]),
+                                                          ident(roles[member])))
+        conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(key, ident(roles["owner"])))
+
+    (warning,) = key_warnings(env, program)
+
+    assert warning["roles"] == sorted(roles[n] for n in ("reader", "member", "noinherit"))
+    assert warning["public"] is False
+    assert "can sign ledger records" in warning["message"]
+
+
+def test_public_access_to_the_key_is_named(tenv: Env, key_roles: dict[str, str]) -> None:
+    with tenv.connect() as conn:
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO PUBLIC").format(Tables(tenv.table).ledger_key))
+
+    (warning,) = key_warnings(tenv, "resolver")
+
+    assert warning["public"] is True and "PUBLIC (every role)" in warning["message"]
+    assert set(key_roles.values()) - {key_roles["group"]} <= set(warning["roles"])

@@ -61,9 +61,10 @@ class ResolverMetrics:
             "finishes them by hand", ["reason"], registry=r)
         self.holding_vacuum = Gauge(
             "outbox_prepared_holding_vacuum_age_seconds",
-            "Age of our oldest prepared transaction while it is what holds back this database's "
-            "xmin horizon (VACUUM cannot remove rows deleted after it); 0 while nothing of ours, "
-            "or something older, holds it", registry=r)
+            "Age of our oldest prepared transaction (of this gid prefix, foreign ones included) "
+            "while it is what holds back this database's xmin horizon (VACUUM cannot remove rows "
+            "deleted after it); 0 while nothing of ours, or something older, holds it",
+            registry=r)
         self.session_transaction_age = Gauge(
             "outbox_session_transaction_age_seconds",
             "Age of the oldest open transaction or snapshot of another client session in this "

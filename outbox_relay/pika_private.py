@@ -127,14 +127,18 @@ class _BoundedAssembler(pika.channel.ContentFrameAssembler):  # type: ignore[mis
     """pika's assembler of a message's frames, keeping no body frame of a message over
     ``limit`` bytes: it counts them and delivers a DroppedBody."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, taking_over: Any) -> None:
         super().__init__()
         self._limit = limit
+        # A message the channel's own assembler had begun: frames of a channel closed just
+        # before, under the same number, can still arrive while the new one opens.
+        for name in _ASSEMBLY:
+            setattr(self, name, getattr(taking_over, name))
 
     def _handle_body_frame(self, body_frame: Any) -> Any:
+        if self._header_frame is None or self._header_frame.body_size <= self._limit:
+            return super()._handle_body_frame(body_frame)  # pika's own, whatever it does
         size = self._header_frame.body_size
-        if size <= self._limit:
-            return super()._handle_body_frame(body_frame)
         self._seen_so_far += len(body_frame.fragment)  # the fragment itself is dropped
         if self._seen_so_far < size:
             return None
@@ -155,4 +159,8 @@ def bound_bodies(channel: Any, limit: int) -> None:
     ``limit``, each body frame (at most frame_max bytes) is dropped as it arrives and the
     message is delivered with a DroppedBody.
     """
-    channel._content_assembler = _BoundedAssembler(limit)
+    channel._content_assembler = _BoundedAssembler(limit, channel._content_assembler)
+
+
+# What a ContentFrameAssembler knows of the message it is assembling.
+_ASSEMBLY = ("_method_frame", "_header_frame", "_seen_so_far", "_body_fragments")

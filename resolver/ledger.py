@@ -164,12 +164,12 @@ def read_until_marker(
     received = 0
     unacked = 0
     blocking = conn.channel()
-    blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
     # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
     # layer still holds, and a stream answers basic.reject by closing the whole connection.
     channel = pika_private.async_channel(blocking)
     # A record of any size costs at most this much memory: pika keeps none of a bigger one.
     pika_private.bound_bodies(channel, ledger.MAX_RECORD_BYTES)
+    blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
 
     def examine(body: bytes, offset: int | None) -> None:
         """One record: never raises, whatever its bytes (outbox_relay/ledger.py)."""

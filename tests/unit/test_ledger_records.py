@@ -14,7 +14,10 @@ import random
 import struct
 from datetime import datetime
 
+import pika.channel
 import pika.data
+import pika.frame
+import pika.spec
 import pytest
 
 from devenv.hostile import FAR_TIMESTAMP, POISONED_REJECTED_AS, poisoned_records
@@ -220,3 +223,60 @@ def test_a_key_id_that_cannot_be_one_is_malformed(kid: object) -> None:
     found = verdict(json.dumps({**json.loads(genuine()), "kid": kid}).encode())
 
     assert isinstance(found, ledger.Rejected) and found.reason == "malformed"
+
+
+# -- bodies pika keeps -----------------------------------------------------------------------
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self._content_assembler = pika.channel.ContentFrameAssembler()
+
+
+def message(size: int, *, frame: int = 1000) -> list[object]:
+    """The frames of one delivery of a ``size``-byte body, in ``frame``-byte body frames."""
+    body = bytes(size)
+    return [pika.frame.Method(1, pika.spec.Basic.Deliver("tag", 1)),
+            pika.frame.Header(1, size, pika.spec.BasicProperties()),
+            *[pika.frame.Body(1, body[at:at + frame]) for at in range(0, size, frame)]]
+
+
+def assemble(channel: FakeChannel, frames: list[object]) -> list[object]:
+    return [out for f in frames if (out := channel._content_assembler.process(f))]
+
+
+def test_a_body_over_the_bound_is_dropped_frame_by_frame() -> None:
+    channel = FakeChannel()
+    pika_private.bound_bodies(channel, 4096)
+
+    (small,) = assemble(channel, message(4096))
+    (big,) = assemble(channel, message(1_000_000))
+    (after,) = assemble(channel, message(10))
+
+    assert small[2] == bytes(4096) and not isinstance(small[2], pika_private.DroppedBody)
+    assert isinstance(big[2], pika_private.DroppedBody) and big[2] == b""
+    assert big[2].size == 1_000_000
+    assert channel._content_assembler._body_fragments == []  # nothing kept along the way
+    assert after[2] == bytes(10)
+
+
+def test_the_bound_takes_over_a_message_begun_before_it() -> None:
+    """Frames of a channel closed just before, under the same number, can reach the new one
+    while it opens: the bounded assembler finishes what pika's own had begun."""
+    channel = FakeChannel()
+    frames = message(3000)
+    assert assemble(channel, frames[:3]) == []
+    pika_private.bound_bodies(channel, 4096)
+
+    (done,) = assemble(channel, frames[3:])
+
+    assert done[2] == bytes(3000)
+
+
+def test_a_dropped_body_reads_as_oversized() -> None:
+    dropped = pika_private.DroppedBody()
+    dropped.size = 10_000
+
+    found = ledger.read_record(dropped, offset=3, size=dropped.size)
+
+    assert isinstance(found, ledger.Rejected) and found.reason == "oversized"

@@ -47,7 +47,7 @@ def test_the_channel_keeps_its_content_assembler() -> None:
     """bound_bodies replaces it with a subclass that drops the frames of a big body."""
     assembler = pika.channel.ContentFrameAssembler
     assert assigns(pika.channel.Channel, "_content_assembler")
-    for attribute in ("_method_frame", "_header_frame", "_seen_so_far"):
+    for attribute in ("_method_frame", "_header_frame", "_seen_so_far", "_body_fragments"):
         assert assigns(assembler, attribute), attribute
     assert callable(assembler._handle_body_frame) and callable(assembler._reset)
     assert list(inspect.signature(assembler.__init__).parameters) == ["self"]

@@ -153,6 +153,9 @@ class PreparedXact:
     age_seconds: float
     xid: int = 0  # pg_prepared_xacts.transaction
     database: str = ""
+    # Whether the preparing role may read the ledger key, as every relay's role must (a
+    # superuser may): a role that cannot is no relay's, whatever its gid looks like.
+    owner_reads_key: bool = True
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,41 @@ def read_ledger_key(conn: psycopg.Connection[Any], tables: Tables) -> tuple[byte
     return bytes(row[0]), str(row[1])
 
 
+# Roles named in the warning of who else can read the ledger key; the rest are counted.
+KEY_READERS_SHOWN = 20
+
+
+def key_readers(conn: psycopg.Connection[Any], tables: Tables) -> tuple[list[str], bool]:
+    """(LOGIN roles besides this session's, superusers and the key table's owner that can read
+    the ledger key, whether PUBLIC can): the ``key_readers`` query."""
+    row = conn.execute(tables.query("key_readers"),
+                       {"ledger_key": tables.ledger_key.as_string(None)}).fetchone()
+    assert row is not None
+    return list(row[0]), bool(row[1])
+
+
+def warn_key_readers(conn: psycopg.Connection[Any], tables: Tables) -> None:
+    """One warning line when anyone but this role, superusers and the table's owner can read
+    the ledger key: a check, never a reason not to start."""
+    try:
+        roles, public = key_readers(conn, tables)
+    except psycopg.Error as exc:
+        log.warning("who can read the ledger key %s was not checked: %s", tables.ledger_key_name,
+                    describe(exc), extra={"action": "ledger_key_readable"})
+        return
+    if not roles and not public:
+        return
+    shown = ["PUBLIC (every role)"] * public + roles[:KEY_READERS_SHOWN]
+    more = len(roles) - KEY_READERS_SHOWN
+    log.warning(
+        "roles other than this one (%s), superusers and its owner can read the ledger key %s: "
+        "%s%s; whoever reads it can sign ledger records that make the resolver commit batches "
+        "that were never published: revoke their SELECT (sql/roles.sql grants it to the "
+        "relays' role only)", conn.info.user, tables.ledger_key_name, ", ".join(shown),
+        f" and {more} more" if more > 0 else "",
+        extra={"action": "ledger_key_readable", "roles": roles, "public": public})
+
+
 def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float, int]:
     """(backlog rows, lag seconds, rows never due) of the whole outbox table (sql/queries.sql,
     stats)."""

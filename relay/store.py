@@ -32,6 +32,7 @@ from outbox_relay.postgres import (
     try_instance_lock,
     usable,
     warn_create,
+    warn_key_readers,
     warn_unchecked,
 )
 from outbox_relay.schema import check_schema
@@ -142,6 +143,7 @@ class OutboxStore:
         self._claim_conn: psycopg.Connection[Any] | None = None
         self._standbys_checked = False
         self._create_checked = False
+        self._key_readers_checked = False
         self._claim = self.tables.query("claim")
         self._claim_lock = (self.tables.query("claim_lock"), self.tables.query("claim_unlock"),
                             {"key": claim_lock_key(table)})
@@ -191,6 +193,9 @@ class OutboxStore:
             self._create_checked = True
         check_order_schema(self._conn, self.tables)
         self.ledger_key, self.database = read_ledger_key(self._conn, self.tables)
+        if not self._key_readers_checked:  # once per process, not at every reconnect
+            warn_key_readers(self._conn, self.tables)
+            self._key_readers_checked = True
         # The lock lives as long as this session: the resolver takes it to learn we are gone.
         if not try_instance_lock(self._conn, lock_class, instance):
             self.close()

@@ -1,9 +1,12 @@
 """The resolver's side of the ledger, on one RabbitMQ connection: append a marker, read until it
-comes back. pika's connection errors stop at this edge (TransientError)."""
+comes back. pika's connection errors stop at this edge (TransientError).
+
+The stream holds whatever any user of the vhost appends: no record may stop a read, whatever
+its bytes or headers (outbox_relay/ledger.py checks the bytes; pika is told to decode any
+header value, pika_private.tolerate_out_of_range_fields)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -17,6 +20,10 @@ from outbox_relay import ledger, pika_private, rabbitmq
 from outbox_relay.errors import TransientError
 
 log = logging.getLogger(__name__)
+
+# A header timestamp past the year 9999 in one ledger record made pika lose the connection of
+# every read (issue 32). The resolver's process only: the relays never import this module.
+pika_private.tolerate_out_of_range_fields()
 
 PREFETCH = 1000
 ACK_EVERY = 200
@@ -69,7 +76,7 @@ class AmqpLedger:
 
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]:
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found:
         """{gid: message count} of the candidates with an authentic record from ``since`` up to a
         marker appended now: everything published before this call has been read."""
         if self._conn is None or self._markers is None:
@@ -141,52 +148,61 @@ def read_until_marker(
     idle_timeout: float,
     on_progress: Callable[[], None] = lambda: None,
     on_rejected: Callable[[ledger.Rejected], None] = lambda _r: None,
-) -> dict[str, int]:
+) -> ledger.Found:
     """{gid: message count} of the authentic records of ``candidates`` from ``since`` up to
-    ``marker`` (which must be published, signed with ``key``).
+    ``marker`` (which must be published, signed with ``key``), and the offsets read.
 
     Only the candidates' gids are kept, whatever the ledger holds. The read fails (a
     TransientError) when no record at all arrived for ``idle_timeout`` seconds before the
     marker, however long it has been going on: without the marker, "not in the ledger" would be
-    a guess. A record of a candidate that fails the checks is reported to ``on_rejected`` and
-    ignored.
+    a guess. A record that cannot be read or checked, and a record of a candidate that fails
+    the checks, is reported to ``on_rejected`` and ignored: no record stops the read.
     """
-    found: dict[str, int] = {}
+    found = ledger.Found()
+    first: int | None = None  # the read's first stream offset
     seen = False
     received = 0
     unacked = 0
     blocking = conn.channel()
-    blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
     # The asynchronous core, not BlockingChannel: on cancel, pika rejects what the blocking
     # layer still holds, and a stream answers basic.reject by closing the whole connection.
     channel = pika_private.async_channel(blocking)
+    # A record of any size costs at most this much memory: pika keeps none of a bigger one.
+    pika_private.bound_bodies(channel, ledger.MAX_RECORD_BYTES)
+    blocking.basic_qos(prefetch_count=PREFETCH)  # a stream consumer must set a prefetch
 
-    def examine(record: dict[str, Any], props: Any) -> None:
+    def examine(body: bytes, offset: int | None) -> None:
+        """One record: never raises, whatever its bytes (outbox_relay/ledger.py)."""
         nonlocal seen
-        if record.get("type") == "marker" and record.get("marker") == marker:
-            if ledger.authentic_marker(key, record):
-                seen = True
-            else:
-                on_rejected(ledger.Rejected(marker, "unauthenticated", _offset(props),
-                                     "a marker with our id and no valid signature"))
+        record = ledger.read_record(body, offset=offset, size=(
+            body.size if isinstance(body, pika_private.DroppedBody) else len(body)))
+        if isinstance(record, ledger.Rejected):
+            on_rejected(record)
             return
-        verdict = ledger.check_batch(record, key=key, candidates=candidates, offset=_offset(props))
+        ours = ledger.check_marker(record, key=key, marker=marker, offset=offset)
+        if isinstance(ours, ledger.Rejected):
+            on_rejected(ours)
+            return
+        if ours:
+            seen = True
+            if first is not None and offset is not None:
+                found.span = (first, offset)
+            return
+        verdict = ledger.check_batch(record, key=key, candidates=candidates, offset=offset)
         if isinstance(verdict, ledger.Rejected):
             on_rejected(verdict)
         elif verdict is not None:
             found[record["gid"]] = verdict
 
     def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
-        nonlocal received, unacked
+        nonlocal received, unacked, first
         if seen:
             return  # records after our marker: not needed; released when the channel closes
         received += 1
-        try:
-            record = json.loads(body)
-        except (ValueError, RecursionError):
-            record = None
-        if isinstance(record, dict):
-            examine(record, props)
+        offset = _offset(props)
+        if first is None:
+            first = offset
+        examine(body, offset)
         unacked += 1
         if seen or unacked >= ACK_EVERY:
             ch.basic_ack(method.delivery_tag, multiple=True)  # credit for the next records
@@ -212,9 +228,12 @@ def read_until_marker(
     return found
 
 
-def _offset(props: Any) -> Any:
-    headers = getattr(props, "headers", None) or {}
-    return headers.get("x-stream-offset")
+def _offset(props: Any) -> int | None:
+    """The record's stream offset, which RabbitMQ sets on delivery (over any header of that name
+    a publisher wrote)."""
+    headers = getattr(props, "headers", None)
+    offset = headers.get("x-stream-offset") if isinstance(headers, dict) else None
+    return offset if isinstance(offset, int) and not isinstance(offset, bool) else None
 
 
 def _stop_reading(blocking: Any, tag: str) -> None:
@@ -228,6 +247,8 @@ def _stop_reading(blocking: Any, tag: str) -> None:
     the caller finds its connection closed and opens a new one.
     """
     channel = pika_private.async_channel(blocking)
+    # A record of any size costs at most this much memory: pika keeps none of a bigger one.
+    pika_private.bound_bodies(channel, ledger.MAX_RECORD_BYTES)
     try:
         if channel.is_open:
             pika_private.mark_no_ack(channel, tag)

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
+from outbox_relay import ledger
 from outbox_relay.model import Decision
 from outbox_relay.runtime.metrics import SERVERS, standard_collectors, version
 
 DECISIONS = tuple(Decision)
 
-# Why the resolver ignored a ledger record naming an in-doubt batch.
-LEDGER_REJECTIONS = ("unauthenticated", "other_transaction")
+# Why the resolver ignored a ledger record (outbox_relay/ledger.py).
+LEDGER_REJECTIONS = ledger.REJECTIONS
+
+# Why the resolver leaves alone a prepared transaction of its gid prefix that no relay made: gid
+# (not a gid a relay makes: another format, an instance of 2^31 or more, a sequence of 2^63 or
+# more), owner (prepared by a role that cannot read the ledger key, as every relay's role can).
+FOREIGN_REASONS = ("gid", "owner")
 
 # Who keeps the oldest transaction id alive: our prepared batches, anyone else's prepared
 # transactions, sessions (running transactions and snapshots), replication slots.
@@ -42,16 +48,24 @@ class ResolverMetrics:
             "requeued or discarded (the same schedule; NaN while it fails)", registry=r)
         self.in_doubt = Gauge(
             "outbox_prepared_transactions",
-            "Prepared transactions of this gid prefix (in doubt or in flight)", registry=r)
+            "Prepared transactions of this gid prefix in this database (in doubt or in flight; "
+            "foreign ones included)", registry=r)
         self.oldest_age = Gauge(
             "outbox_prepared_oldest_age_seconds",
-            "Age of the oldest prepared transaction of this gid prefix; it holds its rows' locks "
-            "and may hold back VACUUM", registry=r)
+            "Age of the oldest prepared transaction of this gid prefix (foreign ones included); "
+            "it holds its rows' locks and may hold back VACUUM", registry=r)
+        self.foreign_prepared = Gauge(
+            "outbox_resolver_foreign_prepared_transactions",
+            "Prepared transactions of this gid prefix in this database that no relay made, left "
+            "alone, by reason (gid: not a gid a relay makes; owner: prepared by a role that "
+            "cannot read the ledger key); they hold their locks and VACUUM until someone "
+            "finishes them by hand", ["reason"], registry=r)
         self.holding_vacuum = Gauge(
             "outbox_prepared_holding_vacuum_age_seconds",
-            "Age of our oldest prepared transaction while it is what holds back this database's "
-            "xmin horizon (VACUUM cannot remove rows deleted after it); 0 while nothing of ours, "
-            "or something older, holds it", registry=r)
+            "Age of our oldest prepared transaction (of this gid prefix, foreign ones included) "
+            "while it is what holds back this database's xmin horizon (VACUUM cannot remove rows "
+            "deleted after it); 0 while nothing of ours, or something older, holds it",
+            registry=r)
         self.session_transaction_age = Gauge(
             "outbox_session_transaction_age_seconds",
             "Age of the oldest open transaction or snapshot of another client session in this "
@@ -75,9 +89,13 @@ class ResolverMetrics:
             registry=r)
         self.ledger_rejected = Counter(
             "outbox_resolver_ledger_records_rejected_total",
-            "Ledger records naming an in-doubt batch that prove nothing about it, by reason "
-            "(unauthenticated: not signed with the ledger key, a forgery; other_transaction: "
-            "signed for another xid or database); each is ignored and counted once",
+            "Ledger records the resolver ignored, by reason: naming an in-doubt batch, "
+            "unauthenticated (no valid signature of the ledger key: a forgery), other_key (no "
+            "valid signature, and the key id of another key: a key replaced since, or relays of "
+            "another table) or other_transaction (signed for another xid or database); "
+            "malformed (not a ledger record's JSON, or a "
+            "record of an in-doubt batch whose fields cannot be checked) or oversized (over "
+            f"{ledger.MAX_RECORD_BYTES} bytes, not read); each is counted once",
             ["reason"], registry=r)
         self.reconnects = Counter(
             "outbox_resolver_reconnects_total", "Successful reconnections, by server", ["server"],
@@ -92,6 +110,8 @@ class ResolverMetrics:
             self.horizon_age.labels(holder)
         for outcome in DECISIONS:
             self.decisions.labels(outcome)
+        for reason in FOREIGN_REASONS:
+            self.foreign_prepared.labels(reason)
         for reason in LEDGER_REJECTIONS:
             self.ledger_rejected.labels(reason)
         for server in SERVERS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import psycopg.errors
 
 from outbox_relay import postgres
 from outbox_relay.model import HorizonHolder, PreparedXact, SessionRole
@@ -20,8 +21,12 @@ def blocked_keys(conn: psycopg.Connection[Any], tables: Tables) -> int:
     return int(row[0])
 
 
-def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str) -> list[PreparedXact]:
-    rows = conn.execute(Tables("outbox").query("prepared_of_prefix"), {"prefix": prefix + ":"})
+def prepared_of_prefix(conn: psycopg.Connection[Any], prefix: str,
+                       ledger_key: str) -> list[PreparedXact]:
+    """This database's prepared transactions of ``prefix``, oldest first; ``ledger_key`` is
+    the key table's quoted name (whether each owner may read it)."""
+    rows = conn.execute(Tables("outbox").query("prepared_of_prefix"),
+                        {"prefix": prefix + ":", "ledger_key": ledger_key})
     return [PreparedXact(*row) for row in rows]
 
 
@@ -50,6 +55,7 @@ class PostgresPreparedStore:
         self._table = table
         self._standbys_checked = False
         self._create_checked = False
+        self._key_readers_checked = False
         self.ledger_key = b""  # read on connect
         self.role = SessionRole("", superuser=False)
 
@@ -76,6 +82,9 @@ class PostgresPreparedStore:
                 postgres.warn_create(postgres.check_create(conn, self.tables))
                 self._create_checked = True
             self.ledger_key, _database = postgres.read_ledger_key(conn, self.tables)
+            if not self._key_readers_checked:  # once per process
+                postgres.warn_key_readers(conn, self.tables)
+                self._key_readers_checked = True
             self.role = session_role(conn)
         except BaseException:
             conn.close()
@@ -95,7 +104,7 @@ class PostgresPreparedStore:
     @postgres.translated
     def prepared(self, prefix: str) -> list[PreparedXact]:
         """This database's prepared transactions of ``prefix``, oldest first."""
-        return prepared_of_prefix(self._session, prefix)
+        return prepared_of_prefix(self._session, prefix, self.tables.ledger_key.as_string(None))
 
     @postgres.translated
     def try_instance_lock(self, lock_class: int, instance: int) -> bool:
@@ -107,7 +116,20 @@ class PostgresPreparedStore:
 
     @postgres.translated
     def finish(self, gid: str, *, commit: bool) -> bool:
-        return postgres.finish_prepared(self._session, gid, commit=commit)
+        """COMMIT or ROLLBACK PREPARED; False when the transaction the scan saw is gone.
+
+        Gone also when PostgreSQL says the gid now belongs to another role (42501) or database
+        (0A000): the scan checked the owner and the database, so someone finished ours and
+        another party prepared the gid again in between (any role may; gids are public). That
+        one is not ours to finish, and refusing to must not stop the scan. And when another
+        session is finishing it right now (55000, "is busy": a relay past the hard limit, or
+        another resolver): if that session fails, the next scan sees the batch again.
+        """
+        try:
+            return postgres.finish_prepared(self._session, gid, commit=commit)
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.FeatureNotSupported,
+                psycopg.errors.ObjectNotInPrerequisiteState):
+            return False
 
     @postgres.translated
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -34,7 +35,8 @@ from outbox_relay.errors import DatabaseError, DatabaseUnavailable, TransientErr
 from outbox_relay.gid import Gid, lock_class
 from outbox_relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
 from outbox_relay.resolver.ledger import AmqpLedger
-from outbox_relay.resolver.metrics import HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.metrics import FOREIGN_REASONS, HORIZON_HOLDERS, ResolverMetrics
+from outbox_relay.resolver.rejections import Reported
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.store import PostgresPreparedStore
 from outbox_relay.resolver.watch import orphaned
@@ -47,8 +49,9 @@ log = logging.getLogger("resolver")
 
 # In-doubt batches decided per ledger read (oldest first): bounds what one read must find.
 LEDGER_WINDOW = 256
-# Rejected ledger records remembered so each is logged and counted once.
-REJECTED_MEMORY = 10_000
+# Rejected ledger records logged one line each per scan; the rest of a scan's are counted and
+# said in one line (a ledger full of junk must not flood the log).
+REJECTIONS_LOGGED_PER_SCAN = 100
 # What fails a scan without ending the resolver: it reconnects and scans again.
 SCAN_ERRORS: tuple[type[BaseException], ...] = (TransientError, DatabaseUnavailable)
 # SQLSTATEs of an outbox the resolver cannot read for its stats: missing, not ours to read.
@@ -87,7 +90,7 @@ class Ledger(Protocol):
     def close(self) -> None: ...
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]: ...
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found: ...
 
 
 def resolver_health(settings: ResolverSettings) -> Health:
@@ -126,8 +129,11 @@ class Resolver(Loop):
         self.ledger: Ledger = ledger or AmqpLedger(
             settings.amqp_url, stream=settings.ledger_stream, max_age=settings.ledger_max_age,
             read_timeout=settings.ledger_read_timeout, connect_timeout=settings.connect_timeout)
-        self._not_ours: set[str] = set()  # gids of another role, already warned about
-        self._rejected: set[tuple[str, object]] = set()  # (gid, stream offset) logged already
+        self._not_ours: set[str] = set()  # gids of another relays' role, already warned about
+        self._foreign: set[tuple[str, int]] = set()  # (gid, xid) no relay made, said already
+        self._reported = Reported()  # rejected ledger records counted and logged already
+        self._unlogged: Counter[str] = Counter()  # this scan's, past the logged ones: by reason
+        self._logged = 0  # rejected records logged this scan
         self._next_stats = 0.0
         self._stats_failing = False
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
@@ -142,6 +148,8 @@ class Resolver(Loop):
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
         self._observe_horizon()
         self._observe_outbox()
+        self._reported.keep(xact.gid for xact in prepared)
+        self._logged = 0
         locked: list[int] = []
         try:
             candidates = self._candidates(prepared, locked)
@@ -152,6 +160,7 @@ class Resolver(Loop):
                 outcomes.update(self._resolve(window))
             return outcomes
         finally:
+            self._log_unlogged()
             for instance in locked:
                 self.store.instance_unlock(self.lock_class, instance)
 
@@ -221,14 +230,24 @@ class Resolver(Loop):
         self.metrics.blocked_keys.set(blocked)
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
-        """Prepared batches whose relay is gone, or that passed the hard limit."""
+        """Prepared batches whose relay is gone, or that passed the hard limit.
+
+        Any role may PREPARE under a gid of our prefix: one that no relay could have made
+        (``foreign``) is left alone, counted and logged once, and never stops the scan.
+        """
         alive: set[int] = set()
         candidates = []
         self._not_ours &= {xact.gid for xact in prepared}
+        self._foreign &= {(xact.gid, xact.xid) for xact in prepared}
+        foreign = dict.fromkeys(FOREIGN_REASONS, 0)
         for xact in prepared:
             gid = Gid.parse(xact.gid)
-            if gid is None or gid.prefix != self.settings.gid_prefix:
-                continue  # not of our format: never ours to finish
+            reason = self._foreign_reason(gid, xact)
+            if reason is not None:
+                foreign[reason] += 1
+                self._leave_alone(xact, reason)
+                continue
+            assert gid is not None
             if not self.store.role.may_finish(xact.owner):
                 # PostgreSQL would refuse: only the preparing role or a superuser may finish it.
                 if xact.gid not in self._not_ours:
@@ -253,14 +272,41 @@ class Resolver(Loop):
                     candidates.append(xact)
                 else:
                     alive.add(gid.instance)
+        for reason, count in foreign.items():
+            self.metrics.foreign_prepared.labels(reason).set(count)
         return candidates
+
+    def _foreign_reason(self, gid: Gid | None, xact: PreparedXact) -> str | None:
+        """Why no relay made ``xact`` (a FOREIGN_REASONS value), or None: it may be a relay's.
+        A relay's gid parses (Gid.parse refuses what a relay never makes: an instance that is
+        no int4 lock key, a sequence over 63 bits), and its role reads the ledger key."""
+        if gid is None or gid.prefix != self.settings.gid_prefix:
+            return "gid"
+        if not xact.owner_reads_key:
+            return "owner"
+        return None
+
+    def _leave_alone(self, xact: PreparedXact, reason: str) -> None:
+        """Say once per transaction that ``xact`` is left alone; the watch then ignores it."""
+        if (xact.gid, xact.xid) in self._foreign:
+            return
+        self._foreign.add((xact.gid, xact.xid))
+        log.warning(
+            "prepared transaction %s of our gid prefix is no relay's (%s): left alone; it holds "
+            "its locks and VACUUM until someone finishes it by hand", ascii(xact.gid),
+            "not a gid a relay makes" if reason == "gid" else
+            f"role {xact.owner!r} cannot read the ledger key",
+            extra={"action": "foreign_prepared", "gid": xact.gid, "owner": xact.owner,
+                   "reason": reason})
 
     def _ledger_gids(self, since: datetime,
                      candidates: dict[str, ledger.Expected]) -> dict[str, int]:
         if not self.ledger.connected:
             self._connect_amqp()
-        return self.ledger.committed(self.store.ledger_key, since, candidates,
-                                     on_progress=self._progress, on_rejected=self._reject)
+        found = self.ledger.committed(self.store.ledger_key, since, candidates,
+                                      on_progress=self._progress, on_rejected=self._reject)
+        self._reported.read(candidates, found.span)
+        return found
 
     def _progress(self) -> None:
         """A long ledger read that is moving: the loop is alive."""
@@ -268,17 +314,30 @@ class Resolver(Loop):
         self.health.beat()
 
     def _reject(self, rejected: ledger.Rejected) -> None:
-        """A record naming an in-doubt batch that proves nothing: ignored, said once."""
-        seen = (rejected.gid, rejected.offset)
-        if seen in self._rejected:
+        """A record that cannot be read, or names an in-doubt batch and proves nothing: ignored,
+        counted and logged once (resolver/rejections.py), whatever scans read it again."""
+        if not self._reported.first_time(rejected.gid, rejected.offset):
             return
-        if len(self._rejected) >= REJECTED_MEMORY:
-            self._rejected.clear()
-        self._rejected.add(seen)
         self.metrics.ledger_rejected.labels(rejected.reason).inc()
+        if self._logged >= REJECTIONS_LOGGED_PER_SCAN:
+            self._unlogged[rejected.reason] += 1
+            return
+        self._logged += 1
         log.warning("ledger record rejected (%s): %s", rejected.reason, rejected.detail, extra={
             "action": "ledger_record_rejected", "gid": rejected.gid, "reason": rejected.reason,
             "offset": rejected.offset})
+
+    def _log_unlogged(self) -> None:
+        """One line for the rejected records of this scan past those logged one by one."""
+        if not self._unlogged:
+            return
+        counts = dict(sorted(self._unlogged.items()))
+        self._unlogged.clear()
+        log.warning(
+            "%d more ledger records rejected in this scan, counted but not logged one by one: %s",
+            sum(counts.values()), ", ".join(f"{n} {reason}" for reason, n in counts.items()),
+            extra={"action": "ledger_records_rejected_unlogged", "count": sum(counts.values()),
+                   "reasons": counts})
 
     # -- connections and the loop -----------------------------------------------------------
 
@@ -350,5 +409,6 @@ class Resolver(Loop):
                 prepared, live = self.store.watch(prefix, self.lock_class)
             except DatabaseError:
                 return  # the scan that follows meets the same error and handles it
-            if orphaned(prepared, set(live), prefix, self._not_ours):
+            if orphaned(prepared, set(live), prefix,
+                        self._not_ours | {gid for gid, _xid in self._foreign}):
                 return

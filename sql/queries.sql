@@ -482,15 +482,49 @@ SELECT coalesce((SELECT array_agg(gid) FROM pg_prepared_xacts
 -- name, which every batch record carries.
 SELECT key, current_database() FROM {ledger_key} WHERE singleton;
 
+-- name: key_readers
+-- Who else can read the ledger key (ledger_key: the table's quoted name), checked once at
+-- start: whoever reads it can sign ledger records that make the resolver commit a batch whose
+-- messages were never published. LOGIN roles that can SELECT it themselves, by an inherited
+-- membership, through PUBLIC or pg_read_all_data (has_table_privilege), or by SET ROLE to a
+-- role it is granted to, or to its owner (pg_has_role MEMBER on each grantee of its ACL).
+-- Left out: this session's role (the relays' and the resolver's), superusers (they read
+-- everything), and the table's owner (it can grant itself SELECT at any time: the migrate
+-- role of sql/roles.sql, an administrator's). public: whether PUBLIC itself holds SELECT.
+-- One has_table_privilege per LOGIN role, once per process.
+WITH key AS (
+    SELECT c.oid, c.relowner,
+           coalesce(c.relacl, acldefault('r', c.relowner)) AS acl
+    FROM pg_class c WHERE c.oid = to_regclass(%(ledger_key)s)
+), grantees AS (
+    SELECT a.grantee FROM key, aclexplode(key.acl) a WHERE a.privilege_type = 'SELECT'
+)
+SELECT coalesce((SELECT array_agg(r.rolname::text ORDER BY r.rolname)
+                 FROM pg_roles r, key
+                 WHERE r.rolcanlogin AND NOT r.rolsuper AND r.rolname <> current_user
+                   AND r.oid <> key.relowner
+                   AND (has_table_privilege(r.oid, key.oid, 'SELECT')
+                        OR EXISTS (SELECT FROM grantees g
+                                   WHERE g.grantee <> 0
+                                     AND pg_has_role(r.oid, g.grantee, 'MEMBER')))),
+                '{{}}') AS roles,
+       EXISTS (SELECT FROM grantees WHERE grantee = 0) AS public;
+
 -- name: prepared_of_prefix
--- This database's prepared transactions with our gid prefix; anything else is not ours. The
--- xid and database are what a batch's ledger record must name.
-SELECT gid, prepared, owner,
-       extract(epoch FROM now() - prepared)::float8 AS age_seconds,
-       transaction::text::bigint AS xid, database
-FROM pg_prepared_xacts
-WHERE database = current_database() AND starts_with(gid, %(prefix)s)
-ORDER BY prepared;
+-- This database's prepared transactions with our gid prefix (another database's are not ours:
+-- COMMIT PREPARED would fail there, and their gids need not even be valid in our encoding).
+-- The xid and database are what a batch's ledger record must name. owner_reads_key: whether
+-- the preparing role may read the ledger key (ledger_key: its quoted name), as every
+-- relay's role must; any role may PREPARE under a gid of our shape, and one that cannot read
+-- the key is no relay's (a role dropped since has no name here: false).
+SELECT p.gid, p.prepared, p.owner,
+       extract(epoch FROM now() - p.prepared)::float8 AS age_seconds,
+       p.transaction::text::bigint AS xid, p.database,
+       coalesce(has_table_privilege(r.oid, to_regclass(%(ledger_key)s), 'SELECT'), false)
+           AS owner_reads_key
+FROM pg_prepared_xacts p LEFT JOIN pg_roles r ON r.rolname = p.owner
+WHERE p.database = current_database() AND starts_with(p.gid, %(prefix)s)
+ORDER BY p.prepared;
 
 -- name: session_role
 -- Who may finish a prepared transaction: the role that prepared it (pg_prepared_xacts.owner is

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outbox_relay.ledger import MAX_RECORD_BYTES
+
 
 @dataclass(frozen=True)
 class LogAction:
@@ -46,6 +48,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "schema's owners may `CREATE` in the outbox's schema (PostgreSQL 13 and 14 grant it on "
         "`public`); the programs pin their `search_path` and are not affected, your services "
         "and psql sessions are (docs/operations.md, roles and grants)",
+    ),
+    LogAction(
+        ("ledger_key_readable",), "WARNING", "both",
+        "`roles`, `public`",
+        "start-up: LOGIN roles other than the program's own, superusers and the key table's "
+        "owner can read the ledger key (`SELECT` themselves, through a role they are members "
+        "of, `PUBLIC` or `pg_read_all_data`): whoever reads it can sign ledger records; revoke "
+        "it ([Roles and grants](#roles-and-grants)). Also when the check itself failed",
     ),
     LogAction(
         ("connected", "reconnected"), "INFO", "both",
@@ -142,6 +152,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "so it is left alone (once per batch); run the resolver as the relays' role",
     ),
     LogAction(
+        ("foreign_prepared",), "WARNING", "resolver",
+        "`gid`, `owner`, `reason` (`gid`, `owner`)",
+        "a prepared transaction of the gid prefix that no relay made (`gid`: not a gid a relay "
+        "makes; `owner`: its role cannot read the ledger key): left alone, counted in "
+        "`outbox_resolver_foreign_prepared_transactions`, logged once per transaction; it holds "
+        "its locks and VACUUM until someone finishes it by hand",
+    ),
+    LogAction(
         ("hard_limit_reached",), "WARNING", "resolver",
         "`gid`",
         "a batch of a relay that looks alive passed `OUTBOX_RESOLVER_HARD_LIMIT` and is resolved "
@@ -149,9 +167,20 @@ ACTIONS: tuple[LogAction, ...] = (
     ),
     LogAction(
         ("ledger_record_rejected",), "WARNING", "resolver",
-        "`gid`, `reason` (`unauthenticated`, `other_transaction`), `offset`",
-        "a ledger record names an in-doubt batch but was not signed with the ledger key, or names "
-        "another transaction (xid, database): ignored, logged once per record",
+        "`gid` (null when it names none), `reason` (`unauthenticated`, `other_key`, "
+        "`other_transaction`, `malformed`, `oversized`), `offset`",
+        "a ledger record names an in-doubt batch but was not signed with the ledger key (with "
+        "the key id of another key: `other_key`), or names another transaction (xid, "
+        "database); or it cannot be read or checked at all (not JSON, "
+        "not an object, fields of the wrong type or range, over "
+        f"{MAX_RECORD_BYTES} bytes): ignored, logged once per record however many scans read "
+        "it (at most 100 lines a scan: `ledger_records_rejected_unlogged`)",
+    ),
+    LogAction(
+        ("ledger_records_rejected_unlogged",), "WARNING", "resolver",
+        "`count`, `reasons` (`{reason: count}`)",
+        "the ledger records rejected in one scan past the first 100 (each logged once as "
+        "`ledger_record_rejected`): counted in the metric, said in this one line",
     ),
     LogAction(
         ("scan_failed", "resolver_recovered"), "WARNING, INFO", "resolver",

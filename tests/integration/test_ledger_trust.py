@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +24,12 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from devenv import checker, launch
-from devenv.servers import PostgresServer, RabbitServer
+from devenv.hostile import POISONED_REJECTED_AS, append_to_ledger, poisoned_records
+from devenv.memory import status_kib
+from devenv.servers import PostgresServer, RabbitServer, free_port
 from outbox_relay import ledger
 from outbox_relay.tables import Tables
+from tests.acceptance.test_metrics import scrape
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_hostile_rows import dead_letters, insert
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -93,13 +98,14 @@ def ledger_key(env: Env) -> bytes:
     return bytes(row[0])
 
 
-def finish_and_check(env: Env, produced: list[str], *, dead: int = 0) -> checker.Report:
+def finish_and_check(env: Env, produced: list[str], *, dead: int = 0,
+                     max_duplicates: int = 0) -> checker.Report:
     """A healthy relay publishes what is left; nothing may be missing."""
     relay = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH))
     wait_until(lambda: outbox_count(env) == 0 and not in_doubt(env), 60, "the outbox to empty")
     assert stop(relay) == 0, log_of(relay)
     report = env.drain_and_check(produced)
-    assert report.ok(dead_letter_expected=dead), report.summary()
+    assert report.ok(dead_letter_expected=dead, max_duplicates=max_duplicates), report.summary()
     return report
 
 
@@ -153,7 +159,8 @@ def test_records_written_by_another_broker_user_are_rejected(tenv: Env, rabbit: 
     assert code == 0, lines
     assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
     rejected = actions(lines, "ledger_record_rejected")
-    assert [line["reason"] for line in rejected] == ["unauthenticated", "unauthenticated"]
+    # The guessed key's record carries that key's id: "another key" (a forger may say so).
+    assert [line["reason"] for line in rejected] == ["unauthenticated", "other_key"]
     assert all(line["gid"] == gid for line in rejected)
     finish_and_check(env, produced)
 
@@ -319,3 +326,210 @@ def test_resolver_reads_a_long_ledger_on_progress_not_elapsed_time(tenv: Env) ->
     assert code == 0, lines
     assert [line["gid"] for line in actions(lines, "resolved_committed")] == [gid]
     finish_and_check(env, produced)
+
+
+# -- records no check may raise on (issue 32) ----------------------------------------------------
+
+def test_the_poisoned_record_of_issue_32_no_longer_stops_the_takeover(tenv: Env) -> None:
+    """The record of the issue: a non-ASCII mac (hmac.compare_digest raised TypeError, the read
+    failed, the batch stayed prepared). Appended as any user of the vhost can."""
+    env = tenv
+    gid, produced = unpublished_in_doubt_batch(env)
+    records = poisoned_records(gid, prepared_xid(env, gid))
+    append_to_ledger(env.amqp_url, env.ledger_stream, [records["non_ascii_mac"]])
+
+    code, lines = resolve_once(env)
+
+    assert code == 0, lines
+    assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
+    (rejected,) = actions(lines, "ledger_record_rejected")
+    assert (rejected["gid"], rejected["reason"]) == (gid, "unauthenticated"), rejected
+    finish_and_check(env, produced)
+
+
+def test_no_record_of_any_bytes_stops_the_takeover(tenv: Env) -> None:
+    """Every kind of devenv.hostile.poisoned_records in the ledger at once, before a genuine
+    record of another batch: each is rejected and logged once, with its reason, and both
+    batches are decided (the genuine one committed)."""
+    env = tenv
+    gid, produced = unpublished_in_doubt_batch(env)
+    records = poisoned_records(gid, prepared_xid(env, gid))
+    assert set(records) == set(POISONED_REJECTED_AS)
+    append_to_ledger(env.amqp_url, env.ledger_stream, records)
+
+    code, lines = resolve_once(env)
+
+    assert code == 0, lines
+    assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
+    rejected = actions(lines, "ledger_record_rejected")
+    assert sorted(line["reason"] for line in rejected) == sorted(
+        POISONED_REJECTED_AS.values()), rejected
+    assert all(line.get("gid") in (gid, None) for line in rejected), rejected
+    assert len({line["offset"] for line in rejected}) == len(POISONED_REJECTED_AS)
+    finish_and_check(env, produced)
+
+
+def test_a_ledger_read_keeps_no_big_record_in_memory(tenv: Env) -> None:
+    """A record of any size was parsed whole, with 1,000 in flight: 3 records of 100 MiB took a
+    running resolver from 43 to 346 MiB at 7f35abe (the Kubernetes sidecar allows 128 Mi).
+    pika now keeps none of a body over MAX_RECORD_BYTES: the peak stays at the baseline."""
+    env = tenv
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="600", OUTBOX_LOG_FORMAT="json")
+    wait_until(lambda: "resolver_started" in log_of(resolver), 30, "the resolver to start")
+    time.sleep(1.0)  # its first scan is done
+    baseline = status_kib(resolver.pid, "VmHWM")
+    big = b'{"type": "batch", "gid": "x", "pad": "' + b"x" * (64 << 20) + b'"}'
+    append_to_ledger(env.amqp_url, env.ledger_stream, [(big, None)] * 2)
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 100, exchange=env.exchange,
+                                         routing_key=env.routing_key, keys=100)
+    doomed = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH), OUTBOX_TEST_CRASH_AT="after_prepare")
+    wait_until(lambda: doomed.poll() is not None, 60, "the crash after PREPARE")
+    wait_until(lambda: "resolved_rolled_back" in log_of(resolver), 60, "the watch's takeover")
+    peak = status_kib(resolver.pid, "VmHWM")
+    assert stop(resolver) == 0, log_of(resolver)
+    lines = [json.loads(line) for line in log_of(resolver).splitlines() if line.startswith("{")]
+    assert [line["reason"] for line in actions(lines, "ledger_record_rejected")] == ["oversized"] * 2
+    assert peak - baseline < 16 * 1024, (baseline, peak)  # KiB; one body would be 64 MiB
+    finish_and_check(env, produced)
+
+
+def test_over_10000_rejected_records_are_counted_and_logged_once(tenv: Env) -> None:
+    """10,500 records that cannot be read, in the window of two takeovers by one running
+    resolver: the resolver remembered 10,000 and emptied its memory, so each was logged again
+    on every scan. Now: counted once, 100 lines and one summary line in all."""
+    env = tenv
+    port = free_port()
+    # Both reads start 600 s before their batch: every junk record is in both windows.
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="600", OUTBOX_LOG_FORMAT="json",
+                         OUTBOX_METRICS_PORT=str(port), OUTBOX_METRICS_HOST="127.0.0.1",
+                         OUTBOX_LEDGER_READ_MARGIN="600")
+    wait_until(lambda: "resolver_started" in log_of(resolver), 30, "the resolver to start")
+    append_to_ledger(env.amqp_url, env.ledger_stream,
+                     [(b"junk %d" % n, None) for n in range(10_500)])
+    produced: list[str] = []
+    for takeover in (1, 2):
+        with env.connect() as conn:
+            produced += checker.insert_events(conn, env.table, 40, exchange=env.exchange,
+                                              routing_key=env.routing_key, keys=40,
+                                              prefix=f"ev{takeover}")
+        doomed = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH),
+                           OUTBOX_TEST_CRASH_AT="after_prepare")
+        assert doomed.wait(60) == -signal.SIGKILL, log_of(doomed)
+        wait_until(lambda n=takeover: log_of(resolver).count("resolved_rolled_back") == n, 60,
+                   "the watch's takeover")
+    text = scrape(port)
+    assert stop(resolver) == 0, log_of(resolver)
+    lines = [json.loads(line) for line in log_of(resolver).splitlines() if line.startswith("{")]
+    assert len(actions(lines, "ledger_record_rejected")) == 100
+    (summary,) = actions(lines, "ledger_records_rejected_unlogged")
+    assert summary["reasons"] == {"malformed": 10_400}, summary
+    assert re.search(r'^outbox_resolver_ledger_records_rejected_total\{reason="malformed"\} '
+                     r'10500\.0$', text, re.M), text
+    finish_and_check(env, produced)
+
+
+def test_a_record_signed_with_a_replaced_key_reads_as_another_key(tenv: Env) -> None:
+    """The key replaced while a batch is in doubt (the row deleted and inserted again as
+    `migrate` does; `migrate` itself waits for the batch: its prepared transaction holds the
+    outbox's lock): the relay's record carries the old key's id, so the resolver says "another
+    key", not "forgery", and rolls the batch back (duplicates, never loss)."""
+    env = tenv
+    with env.connect() as conn:
+        produced = checker.insert_events(conn, env.table, 60, exchange=env.exchange,
+                                         routing_key=env.routing_key)
+    doomed = env.spawn("relay", OUTBOX_BATCH_SIZE=str(BATCH), OUTBOX_TEST_CRASH_AT="after_ledger")
+    wait_until(lambda: doomed.poll() is not None, 60, "the crash after the ledger record")
+    (gid,) = in_doubt(env)
+    old_key = ledger_key(env)
+    with env.connect() as conn:
+        conn.execute(sql.SQL("DELETE FROM {}").format(Tables(env.table).ledger_key))
+        conn.execute(sql.SQL("INSERT INTO {} (key) VALUES (uuid_send(gen_random_uuid())"
+                             " || uuid_send(gen_random_uuid()))").format(
+                                 Tables(env.table).ledger_key))
+    assert ledger_key(env) != old_key
+
+    code, lines = resolve_once(env)
+
+    assert code == 0, lines
+    assert [line["gid"] for line in actions(lines, "resolved_rolled_back")] == [gid]
+    (rejected,) = actions(lines, "ledger_record_rejected")
+    assert (rejected["gid"], rejected["reason"]) == (gid, "other_key"), rejected
+    assert ledger.key_id(old_key) in rejected["message"], rejected
+    report = finish_and_check(env, produced, max_duplicates=BATCH)
+    assert report.duplicates == BATCH
+
+
+# -- who else can read the key (issue 32) ---------------------------------------------------------
+
+
+@pytest.fixture
+def key_roles(tenv: Env) -> Iterator[dict[str, str]]:
+    """Roles of the test's own: {name: role}; dropped afterwards."""
+    names = {name: f"k{tenv.gid_prefix}_{name}" for name in
+             ("reader", "group", "member", "noinherit", "bystander", "owner")}
+    with tenv.connect() as conn:
+        for name, role in names.items():
+            options = {"group": "NOLOGIN", "noinherit": "LOGIN NOINHERIT"}.get(name, "LOGIN")
+            conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(role)))
+    try:
+        yield names
+    finally:
+        with tenv.connect() as conn:
+            conn.execute(sql.SQL("ALTER TABLE {} OWNER TO CURRENT_USER").format(
+                Tables(tenv.table).ledger_key))
+            for role in names.values():
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def key_warnings(env: Env, program: str) -> list[dict[str, Any]]:
+    """The ledger_key_readable lines of ``program`` at start (the relay is stopped once up)."""
+    if program == "resolver":
+        code, lines = resolve_once(env)
+        assert code == 0, lines
+    else:
+        relay = env.spawn("relay", OUTBOX_LOG_FORMAT="json")
+        wait_until(lambda: "relay_started" in log_of(relay), 30, "the relay to start")
+        time.sleep(0.5)
+        assert stop(relay) == 0, log_of(relay)
+        lines = [json.loads(line) for line in log_of(relay).splitlines() if line.startswith("{")]
+    return actions(lines, "ledger_key_readable")
+
+
+def test_no_warning_when_only_the_programs_role_reads_the_key(tenv: Env,
+                                                              key_roles: dict[str, str]) -> None:
+    assert key_warnings(tenv, "resolver") == []
+
+
+@pytest.mark.parametrize("program", ["relay", "resolver"])
+def test_both_programs_name_every_other_role_that_can_read_the_key(
+        tenv: Env, key_roles: dict[str, str], program: str) -> None:
+    """A grant, an inherited membership, a membership without INHERIT (SET ROLE), a member of
+    the table's owner; never this role, superusers or the owner itself; a role with nothing
+    stays out."""
+    env, roles = tenv, key_roles
+    key, ident = Tables(env.table).ledger_key, sql.Identifier
+    with env.connect() as conn:
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["reader"])))
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["group"])))
+        for member in ("member", "noinherit"):
+            conn.execute(sql.SQL("GRANT {} TO {}").format(ident(roles["group"]),
+                                                          ident(roles[member])))
+        conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(key, ident(roles["owner"])))
+
+    (warning,) = key_warnings(env, program)
+
+    assert warning["roles"] == sorted(roles[n] for n in ("reader", "member", "noinherit"))
+    assert warning["public"] is False
+    assert "can sign ledger records" in warning["message"]
+
+
+def test_public_access_to_the_key_is_named(tenv: Env, key_roles: dict[str, str]) -> None:
+    with tenv.connect() as conn:
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO PUBLIC").format(Tables(tenv.table).ledger_key))
+
+    (warning,) = key_warnings(tenv, "resolver")
+
+    assert warning["public"] is True and "PUBLIC (every role)" in warning["message"]
+    assert set(key_roles.values()) - {key_roles["group"]} <= set(warning["roles"])

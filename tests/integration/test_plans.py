@@ -340,7 +340,8 @@ def test_the_resolvers_scans_read_shared_memory_only_never_the_outbox(env: Env) 
         relay_conn.execute("SELECT pg_advisory_lock(%s, %s)", (lock_class, 0x11))
         scans = [Statement(conn, tables, name)
                  for name in ("prepared_of_prefix", "xmin_horizon", "watch")]
-        params = {"prefix": prefix, "class": lock_class}
+        params = {"prefix": prefix, "class": lock_class,
+                  "ledger_key": tables.ledger_key.as_string(None)}
         for statement in scans:
             statement.build_plan(params)
         _insert(admin, tables.outbox, ROWS)

@@ -214,6 +214,9 @@ def test_each_program_works_as_its_least_privileged_role(
     assert stop(relay) == 0, log_of(relay)
     for text in (log_of(relay), log_of(crashed)):
         assert "permission denied" not in text, text  # PostgreSQL's refusal
+        # With these roles nobody but the relays' role (and the migrate role, the key's owner)
+        # reads the ledger key: the start-up check says nothing.
+        assert "ledger_key_readable" not in text, text
 
     # The operator lists and requeues dead letters.
     listed = run_cli(env, "relay", "dead-letter", "list", "--json",

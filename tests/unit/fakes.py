@@ -19,8 +19,9 @@ is one PostgreSQL server's prepared transactions and session-level advisory lock
 the sessions opened on it (``FakePreparedStore``: one per resolver, ``relay_session`` for a
 live relay), with the server's rules: only the preparing role or a superuser may finish a
 transaction, one that no longer exists is "already finished" (42704), a session's locks go
-with it. ``FakeLedger`` holds records and applies the real checks (``outbox_relay.ledger.check_batch``)
-to those from the read's start time on.
+with it. ``FakeLedger`` holds records as bytes (any bytes: ``append``) and applies the real
+reading and checks (``outbox_relay.ledger.read_record``, ``check_batch``) to those from the
+read's start time on.
 """
 
 from __future__ import annotations
@@ -593,6 +594,9 @@ class FakeCluster:
 
     def __init__(self, database: str = "app") -> None:
         self.database = database
+        # Roles that may read the ledger key (GRANT SELECT, or superusers): a relay's role is
+        # one of them; any other role's prepared transaction is no relay's.
+        self.key_readers = {"relay", "other_relays", "postgres"}
         self.now = 0.0
         self.prepared: dict[str, tuple[PreparedXact, float]] = {}  # gid -> (xact, prepared at)
         self.locks: dict[tuple[int, int], str] = {}  # (class, instance) -> holding session
@@ -606,7 +610,7 @@ class FakeCluster:
         self._xid += 1
         when = self.now if at is None else at
         xact = PreparedXact(gid, T0 + timedelta(seconds=when), owner, 0.0, xid=self._xid,
-                            database=self.database)
+                            database=self.database, owner_reads_key=owner in self.key_readers)
         self.prepared[gid] = (xact, when)
         return xact
 
@@ -714,11 +718,12 @@ class FakeLedger:
 
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster  # its clock stamps the records
-        self.records: list[tuple[datetime, dict[str, Any]]] = []
+        self.records: list[tuple[datetime, bytes]] = []  # (appended at, body)
         self.reads: list[LedgerRead] = []
         self.is_connected = False
         self.during_read: list[Callable[[], object]] = []  # run once each, inside a read
         self.failures: list[TransientError] = []  # raised by the next reads
+        self.lost_at_end: list[TransientError] = []  # raised by the next reads, once read
 
     @property
     def connected(self) -> bool:
@@ -740,11 +745,15 @@ class FakeLedger:
             database=xact.database if database is None else database, count=count,
             relay="00000abc"))
         body.update(tampered or {})
+        self.append(json.dumps(body).encode())
+
+    def append(self, body: bytes) -> None:
+        """Any bytes, as any user of the vhost may append them."""
         self.records.append((T0 + timedelta(seconds=self.cluster.now), body))
 
     def committed(self, key: bytes, since: datetime, candidates: Mapping[str, ledger.Expected], *,
                   on_progress: Callable[[], None],
-                  on_rejected: Callable[[ledger.Rejected], None]) -> dict[str, int]:
+                  on_rejected: Callable[[ledger.Rejected], None]) -> ledger.Found:
         if not self.is_connected:
             raise ProtocolViolation("ledger read while disconnected")
         self.reads.append(LedgerRead(since, dict(candidates)))
@@ -752,14 +761,22 @@ class FakeLedger:
             self.during_read.pop(0)()
         if self.failures:
             raise self.failures.pop(0)
-        found: dict[str, int] = {}
-        for offset, (at, body) in enumerate(self.records):
-            if at < since:
+        found = ledger.Found()
+        read = [offset for offset, (at, _body) in enumerate(self.records) if at >= since]
+        for offset in read:
+            body = self.records[offset][1]
+            record = ledger.read_record(body, offset=offset)
+            if isinstance(record, ledger.Rejected):
+                on_rejected(record)
                 continue
-            verdict = ledger.check_batch(body, key=key, candidates=candidates, offset=offset)
+            verdict = ledger.check_batch(record, key=key, candidates=candidates, offset=offset)
             if isinstance(verdict, ledger.Rejected):
                 on_rejected(verdict)
             elif verdict is not None:
-                found[body["gid"]] = verdict
+                found[record["gid"]] = verdict
+        if self.lost_at_end:  # the connection lost after the records, before the marker
+            raise self.lost_at_end.pop(0)
+        # The real read ends on its own marker, appended now: one offset past the last record.
+        found.span = (read[0] if read else len(self.records), len(self.records))
         on_progress()
         return found

@@ -36,10 +36,24 @@ def test_parse_returns_none_for_foreign_transactions(text: str) -> None:
 
 
 def test_longest_gid_fits_postgres_200_byte_limit() -> None:
-    longest = str(Gid("a" * 32, 0xFFFFFFFF, 10**19 - 1))
+    longest = str(Gid("a" * 32, 2**31 - 1, 2**63 - 1))
 
     assert Gid.parse(longest) is not None
     assert len(longest.encode()) < 200
+
+
+@pytest.mark.parametrize("text", [
+    "outbox:80000000:1", "outbox:ffffffff:1",  # an instance no int4 lock key holds
+    "outbox:00000001:9223372036854775808", "outbox:00000001:9999999999999999999",  # 2^63 on
+])
+def test_parse_refuses_what_no_relay_makes(text: str) -> None:
+    """Any role may PREPARE under any gid: an instance of 2^31 or more made the resolver call
+    pg_try_advisory_lock(integer, bigint), which does not exist, on every scan (issue 32)."""
+    assert Gid.parse(text) is None
+
+
+def test_parse_takes_the_largest_gid_a_relay_makes() -> None:
+    assert Gid.parse("outbox:7fffffff:9223372036854775807") == Gid("outbox", 2**31 - 1, 2**63 - 1)
 
 
 @pytest.mark.parametrize(("prefix", "ok"), [

@@ -43,6 +43,29 @@ def test_the_channel_keeps_its_no_ack_consumers() -> None:
     assert assigns(pika.channel.Channel, "_consumers_with_noack")
 
 
+def test_the_channel_keeps_its_content_assembler() -> None:
+    """bound_bodies replaces it with a subclass that drops the frames of a big body."""
+    assembler = pika.channel.ContentFrameAssembler
+    assert assigns(pika.channel.Channel, "_content_assembler")
+    for attribute in ("_method_frame", "_header_frame", "_seen_so_far", "_body_fragments"):
+        assert assigns(assembler, attribute), attribute
+    assert callable(assembler._handle_body_frame) and callable(assembler._reset)
+    assert list(inspect.signature(assembler.__init__).parameters) == ["self"]
+
+
+def test_the_table_decoder_looks_its_value_decoder_up_by_name() -> None:
+    """tolerate_out_of_range_fields replaces pika.data.decode_value: the table and array
+    decoders must call it through the module's globals."""
+    import pika.data
+
+    from outbox_relay import pika_private
+
+    original = pika_private._PIKA_DECODE_VALUE  # pika's own, whether replaced yet or not
+    assert original.__module__ == "pika.data" and original.__name__ == "decode_value"
+    assert "decode_value(encoded, offset)" in inspect.getsource(pika.data.decode_table)
+    assert "decode_value(encoded, offset)" in inspect.getsource(original)  # arrays
+
+
 def test_a_connection_attempt_that_times_out_still_raises_this() -> None:
     assert issubclass(connection_workflow.AMQPConnectorException, Exception)
 

@@ -19,6 +19,7 @@ from outbox_relay.resolver.metrics import ResolverMetrics
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import (
+    LEDGER_KEY,
     RELAY_ROLE,
     T0,
     FakeCluster,
@@ -158,7 +159,7 @@ def test_a_batch_past_the_hard_limit_is_decided_even_with_its_relay_alive(
 
 def test_a_batch_of_another_role_is_skipped_and_said_once(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
-    foreign = world.batch(0xA, owner="someone_else")
+    foreign = world.batch(0xA, owner="other_relays")  # relays of another role (it reads the key)
     resolver = world.resolver()
 
     with caplog.at_level(logging.WARNING, logger="resolver"):
@@ -170,8 +171,8 @@ def test_a_batch_of_another_role_is_skipped_and_said_once(
     assert world.cluster.locks == {}
 
 
-def test_a_superuser_resolver_finishes_any_roles_batch(world: World) -> None:
-    foreign = world.batch(0xA, owner="someone_else")
+def test_a_superuser_resolver_finishes_a_batch_of_any_relays_role(world: World) -> None:
+    foreign = world.batch(0xA, owner="other_relays")
 
     outcomes = world.resolver(role=SessionRole("postgres", superuser=True)).resolve_once()
 
@@ -239,7 +240,10 @@ def test_candidates_are_decided_oldest_first_a_window_per_ledger_read(world: Wor
 
 
 @pytest.mark.parametrize(("forgery", "reason"), [
-    ({"key": b"not the ledger key" * 2}, "unauthenticated"),  # anyone may append to a stream
+    ({"key": b"not the ledger key" * 2}, "other_key"),  # a key replaced, another table's
+    ({"key": b"not the ledger key" * 2,  # a forger who copies our key id
+      "tampered": {"kid": ledger.key_id(LEDGER_KEY)}}, "unauthenticated"),
+    ({"tampered": {"mac": "0" * 64, "kid": None}}, "malformed"),  # anyone may append to a stream
     ({"tampered": {"count": 999}}, "unauthenticated"),  # altered after signing
     ({"xid": 1}, "other_transaction"),  # signed, for another prepared transaction of that gid
     ({"database": "other"}, "other_transaction"),

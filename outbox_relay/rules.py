@@ -179,23 +179,24 @@ def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
         wire = properties.wire(**fields)
         if not fields["headers"]:
             return None, wire
-        size = (HEADER_FRAME_OVERHEAD + len(wire) if wire is not None
-                else _pika_header_frame_size(fields, body_size))
+        if wire is None:
+            wire = _pika_wire(fields)
     except Exception as exc:  # pika's encoder: struct.error, TypeError, ValueError, ...
         return Problem("headers", f"headers cannot be encoded as an AMQP table: {short_reason(exc)}"), None
+    size = HEADER_FRAME_OVERHEAD + len(wire)
     if size > frame_max:
         return Problem("headers", f"headers make a header frame of {size} bytes, over "
                                   f"the broker's frame_max of {frame_max} bytes"), None
     return None, wire
 
 
-def _pika_header_frame_size(fields: Mapping[str, Any], body_size: int) -> int:
-    """The header frame pika writes for properties struct does not encode (imported here only:
-    most tables never need it, and the producer API loads no pika for them)."""
-    import pika.frame
+def _pika_wire(fields: Mapping[str, Any]) -> bytes:
+    """The properties as pika encodes them, for a shape struct does not encode (imported here
+    only: most tables never need it, and the producer API loads no pika for them). The header
+    frame is these bytes and HEADER_FRAME_OVERHEAD."""
     import pika.spec
 
-    return len(pika.frame.Header(1, body_size, pika.spec.BasicProperties(**fields)).marshal())
+    return b"".join(pika.spec.BasicProperties(**fields).encode())
 
 
 def publish_problem(

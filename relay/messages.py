@@ -31,11 +31,26 @@ from outbox_relay.rules import (
 
 class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no type hints
     """pika's BasicProperties, with their wire form computed beforehand
-    (outbox_relay.properties): pika writes these bytes as they are."""
+    (outbox_relay.properties, or pika's encoder once): pika writes these bytes as they are.
+
+    The header table is kept in that form only, and decoded from it when read: a batch holds
+    its messages' bytes, never their tables as Python objects, which take up to tens of times
+    more (docs/reliability.md#memory).
+    """
 
     def __init__(self, wire: bytes, **fields: Any) -> None:
         super().__init__(**fields)
         self.wire = wire
+        if self.headers is not None:
+            del self.headers  # __getattr__ reads it back from the wire form
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for ``headers``, when read: decoded from the wire form (tests, logs)."""
+        if name != "headers":
+            raise AttributeError(name)
+        decoded = BasicProperties()
+        decoded.decode(self.wire)
+        return decoded.headers
 
     def encode(self) -> list[bytes]:
         return [self.wire]
@@ -44,8 +59,9 @@ class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no t
 def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
             timestamp: int) -> BasicProperties:
     """Persistent message properties: encoded beforehand when their shape allows, else pika's."""
-    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-              "headers": headers or None, "timestamp": timestamp}
+    fields: dict[str, Any] = {"delivery_mode": 2, "message_id": message_id,
+                              "content_type": content_type, "headers": headers or None,
+                              "timestamp": timestamp}
     return _properties(fields, properties.wire(**fields))
 
 

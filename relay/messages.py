@@ -18,11 +18,13 @@ from outbox_relay.model import Message, OutboxRow, Unpublishable
 from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     EMPTY_HEADERS,
+    HEADERS_TEXT_MEASURED_ABOVE,
     amqp_value,
     decode_headers,
     default_content_type,
     encoding_problem,
     field_problem,
+    headers_text_problem,
     message_headers,
     property_fields,
     short_reason,
@@ -80,7 +82,13 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
         if flat:  # the column's default, most rows: nothing to decode, only the relay's headers
             headers: Any = {}
         else:
-            headers, undecodable = decode_headers(row.headers)
+            # A long text is measured first, decoded only if its table can fit: a table that
+            # cannot is never built (headers_text_problem; the length test inlined, most
+            # headers are short).
+            undecodable = (headers_text_problem(row.headers, frame_max)
+                           if len(row.headers) >= HEADERS_TEXT_MEASURED_ABOVE else None)
+            if undecodable is None:
+                headers, undecodable = decode_headers(row.headers)
             if undecodable is not None:
                 return Unpublishable(undecodable)
         headers = message_headers(headers, row.ordering_key, row.id)

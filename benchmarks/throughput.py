@@ -52,9 +52,11 @@ class PlainCommitStore(OutboxStore):
         return self._open[-1] if getattr(self, "_open", None) else super().claim_conn
 
     def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = 134217728) -> list[OutboxRow]:
+              max_message_bytes: int = 134217728,
+              one_row_at_least: bool = True) -> list[OutboxRow]:
         self._open.append(next(c for c in self._sessions if c not in self._open))
-        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes)
+        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes,
+                             one_row_at_least=one_row_at_least)
 
     def rollback(self) -> None:
         self._open.pop().execute("ROLLBACK")

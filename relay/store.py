@@ -198,10 +198,12 @@ class OutboxStore:
 
     @translated
     def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = 134217728) -> list[OutboxRow]:
+              max_message_bytes: int = 134217728,
+              one_row_at_least: bool = True) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
-        ``max_bytes`` of row data at most (one row at least). A row too big to ever publish is
-        moved to the dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
+        ``max_bytes`` of row data at most (one row at least, whatever its size, unless not
+        ``one_row_at_least``: a claim ahead). A row too big to ever publish is moved to the
+        dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
 
         Fetched in binary: the body (bytea) arrives as it is, not hex-encoded. Every column is
         of a type psycopg always loads (headers as text, created_at as float8 and text).
@@ -219,7 +221,8 @@ class OutboxStore:
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
-                    "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
+                    "max_row_bytes": max_message_bytes + ROW_HEADROOM,
+                    "one_row_at_least": one_row_at_least}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
         except BaseException:

@@ -65,8 +65,8 @@ class Store(Protocol):
     def connect(self, lock_class: int, instance: int) -> None: ...
     def close(self) -> None: ...
     def reset(self) -> None: ...
-    def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = ...) -> list[OutboxRow]: ...
+    def claim(self, limit: int, max_bytes: int, *, max_message_bytes: int = ...,
+              one_row_at_least: bool = ...) -> list[OutboxRow]: ...
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
     def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]: ...
     def rollback(self) -> None: ...
@@ -335,7 +335,9 @@ class Relay(Loop):
         if budget <= 0:
             return
         try:
-            rows = self._claim(budget, self._ahead_rows)
+            # Within what is left, strictly: no row beyond it, not even one (it would be a
+            # second batch's worth of memory; the next batch claims it).
+            rows = self._claim(budget, self._ahead_rows, one_row_at_least=False)
             if not rows:
                 if self._batch_keyed:
                     self._ahead_rows = max(1, self.settings.batch_size // AHEAD_RESTART_SHARE)
@@ -357,10 +359,12 @@ class Relay(Loop):
             built = None
         self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max)
 
-    def _claim(self, max_bytes: int, limit: int | None = None) -> list[OutboxRow]:
+    def _claim(self, max_bytes: int, limit: int | None = None, *,
+               one_row_at_least: bool = True) -> list[OutboxRow]:
         s = self.settings
         return self.store.claim(limit or s.batch_size, max_bytes,
-                                max_message_bytes=s.max_message_bytes)
+                                max_message_bytes=s.max_message_bytes,
+                                one_row_at_least=one_row_at_least)
 
     def _ledger_missing(self, exc: LedgerMissing) -> None:
         """The ledger stream (or its exchange) was deleted under us. Claim nothing more until it

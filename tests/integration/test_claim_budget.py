@@ -117,3 +117,30 @@ def test_producer_written_attempts_cannot_hide_a_row_or_break_the_claim(
     outbox.rollback()
 
     assert [r.message_id for r in rows] == ["negative"]
+
+
+def test_a_claim_ahead_takes_no_row_beyond_its_budget(env: Env, outbox: OutboxStore) -> None:
+    # The batch claimed ahead shares the byte budget with the one in memory (issue 32).
+    add(env, 3, payload_bytes=b"x" * 5000)
+
+    none = outbox.claim(10, 100, one_row_at_least=False)
+    outbox.rollback()
+    two = outbox.claim(10, 2 * 5100, one_row_at_least=False)
+    outbox.rollback()
+
+    assert none == [] and len(two) == 2
+
+
+def test_a_claim_ahead_takes_no_retried_row_beyond_its_budget(env: Env,
+                                                             outbox: OutboxStore) -> None:
+    add(env, payload_bytes=b"r" * 5000, attempts=1, message_id="retried")
+    add(env, 2, payload_bytes=b"f" * 10)
+
+    ahead = outbox.claim(10, 1000, one_row_at_least=False)
+    outbox.rollback()
+    alone = outbox.claim(10, 1000)
+    outbox.rollback()
+
+    # Fresh rows that fit instead (the retried one waits for a batch of its own).
+    assert len(ahead) == 2 and "retried" not in {r.message_id for r in ahead}
+    assert [r.message_id for r in alone] == ["retried"]

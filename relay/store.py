@@ -247,8 +247,7 @@ class OutboxStore:
         params = [
             {"id": r.id, "message_id": r.message_id, "exchange": r.exchange,
              "routing_key": r.routing_key, "ordering_key": r.ordering_key,
-             "payload": r.body.decode() if r.is_json else None,
-             "payload_bytes": None if r.is_json else r.body, "headers": r.headers,
+             "is_json": r.is_json, "body": r.body, "headers": r.headers,
              "content_type": r.content_type, "created_at": r.created_at,
              "attempts": r.attempts, "error": error}
             for r, error in rows

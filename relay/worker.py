@@ -55,6 +55,13 @@ LOST_STREAK_LIMIT = 3
 # look shrinks with it), doubling back to a whole batch as its claims come back full.
 AHEAD_RESTART_SHARE = 8
 
+# A claimed row that can never be published goes to the dead-letter table inside its claim
+# (dead_letter_claimed), its columns sent back to PostgreSQL: two more copies of it in the
+# relay while they are sent (the driver's parameter buffer and libpq's). A row of this many
+# bytes or more is moved by PostgreSQL itself instead, after the claim is rolled back
+# (_set_aside): no copy at all, for the relay's memory bound (docs/reliability.md#memory).
+DEAD_LETTER_COPY_MAX = 1 << 20
+
 
 class Store(Protocol):
     ledger_key: bytes  # read on connect: signs the ledger records
@@ -214,7 +221,8 @@ class Relay(Loop):
         messages = [m for m in messages if m.row_id not in failed_early]
         stopped = [row for row, _ in invalid + oversized] + [
             row for row in rows if row.id in failed_early]
-        if held_back(messages, stopped):
+        if held_back(messages, stopped) \
+                or any(row.row_bytes >= DEAD_LETTER_COPY_MAX for row, _ in invalid):
             self._set_aside(invalid + oversized, failed_early, rows)
             return len(rows)
         if invalid:
@@ -300,7 +308,8 @@ class Relay(Loop):
         """A keyed row of the batch cannot go (it can never be published, or its exchange is
         missing) and newer rows of its key are in the batch: publishing them would put them
         first. Roll the claim back, publishing nothing, then dead-letter that row or count its
-        attempt on its own; the next claim holds its key back (sql/queries.sql)."""
+        attempt on its own; the next claim holds its key back (sql/queries.sql). The same for
+        a row to dead-letter of DEAD_LETTER_COPY_MAX bytes or more: PostgreSQL moves it."""
         self.store.rollback()
         dead = set(self.store.dead_letter_rows({row.id: reason for row, reason in invalid}))
         self._log_dead_lettered([(row, error) for row, error in invalid if row.id in dead])

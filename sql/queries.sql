@@ -228,11 +228,14 @@ FROM oversized;
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
 -- transaction: it is committed together with the batch, or rolled back with it. The dead
--- letter gets an id of its own (no conflict can drop it); outbox_id keeps the row's.
+-- letter gets an id of its own (no conflict can drop it); outbox_id keeps the row's. The
+-- body goes back as the claim fetched it, bytes sent in binary (a JSON payload's UTF-8 text
+-- too): the relay makes no copy of it for this.
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
                            payload_bytes, headers, content_type, created_at, attempts, last_error)
 VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
-        %(payload)s::jsonb, %(payload_bytes)s, %(headers)s::jsonb, %(content_type)s,
+        CASE WHEN %(is_json)s THEN convert_from(%(body)s, 'UTF8')::jsonb END,
+        CASE WHEN NOT %(is_json)s THEN %(body)s END, %(headers)s::jsonb, %(content_type)s,
         %(created_at)s::timestamptz, least(%(attempts)s, 2147483646) + 1, %(error)s);
 
 -- name: forget_delivered

@@ -144,3 +144,24 @@ def test_a_claim_ahead_takes_no_retried_row_beyond_its_budget(env: Env,
     # Fresh rows that fit instead (the retried one waits for a batch of its own).
     assert len(ahead) == 2 and "retried" not in {r.message_id for r in ahead}
     assert [r.message_id for r in alone] == ["retried"]
+
+
+def test_a_claimed_row_goes_to_the_dead_letter_table_exactly_as_it_was(
+        env: Env, outbox: OutboxStore) -> None:
+    # The body goes back in binary, a JSON payload's text too (no copy of it made in Python).
+    add(env, payload=Jsonb({"text": "ключ € 😀", "n": [1, 2.5, None]}), message_id="json",
+        headers=Jsonb({"h": "v"}))
+    add(env, payload_bytes=b"\x00\xff" * 100, message_id="bytes")
+
+    rows = outbox.claim(10, MB)
+    outbox.dead_letter_claimed([(row, "a reason") for row in rows])
+    outbox.prepare("t" + env.gid_prefix + ":00000001:2")
+    outbox.finish("t" + env.gid_prefix + ":00000001:2", commit=True)
+
+    with env.connect() as conn:
+        dead = {row[0]: row[1:] for row in conn.execute(sql.SQL(
+            "SELECT message_id, payload, payload_bytes, headers, last_error FROM {}").format(
+            Tables(env.table).dead_letter)).fetchall()}
+    assert dead["json"] == ({"text": "ключ € 😀", "n": [1, 2.5, None]}, None, {"h": "v"},
+                            "a reason")
+    assert dead["bytes"] == (None, b"\x00\xff" * 100, {}, "a reason")

@@ -188,6 +188,13 @@ def test_payload_over_the_message_size_limit(env: Env) -> None:
     settle(env, [relay(env, OUTBOX_MAX_MESSAGE_BYTES=str(1 << 20))],
            {"too-big-bytes": "exceeds OUTBOX_MAX_MESSAGE_BYTES=1048576",
             "too-big-json": "exceeds OUTBOX_MAX_MESSAGE_BYTES=1048576"}, head + tail)
+    # Over 1 MiB, fetched, then moved by PostgreSQL after the claim rolled back (no copy
+    # sent back from the relay: relay/worker.py, DEAD_LETTER_COPY_MAX): stored whole.
+    with env.connect() as conn:
+        sizes = dict(conn.execute(sql.SQL(
+            "SELECT message_id, coalesce(octet_length(payload_bytes), octet_length(payload::text))"
+            " FROM {}").format(Tables(env.table).dead_letter)).fetchall())
+    assert sizes == {"too-big-bytes": (1 << 20) + 1, "too-big-json": (1 << 20) + len('{"pad": ""}')}
 
 
 @pytest.mark.parametrize("column", ["exchange", "routing_key", "message_id", "content_type"])

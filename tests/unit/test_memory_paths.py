@@ -1,5 +1,6 @@
 """The relay loop's share of its memory bound (docs/reliability.md#memory), against the fakes:
-a batch claimed ahead takes no row beyond what is left of the byte budget."""
+a batch claimed ahead takes no row beyond what is left of the byte budget, and a big row that
+can never be published is moved by PostgreSQL, not sent back to it from the relay."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.settings import RelaySettings
-from outbox_relay.relay.worker import Relay
+from outbox_relay.relay.worker import DEAD_LETTER_COPY_MAX, Relay
 from tests.unit.fakes import FakePublisher, FakeStore, StopWhen
 
 
@@ -68,3 +69,29 @@ def test_a_retried_row_beyond_the_budget_left_is_not_claimed_ahead() -> None:
     assert [c["one_row_at_least"] for c in store.called("claim")] == [True, False]
     assert retried in store.rows and loop.claimed_ahead == []
     assert all(i not in store.rows for i in first)
+
+
+def test_a_big_row_that_can_never_be_published_is_moved_by_postgresql() -> None:
+    loop, store, publisher = relay(batch_max_bytes=1 << 24)
+    before = store.add()
+    bad = store.add(payload_bytes=b"x" * DEAD_LETTER_COPY_MAX, routing_key="k" * 256)
+    after = store.add()
+
+    loop.run_batch()  # rolled back: nothing published, the bad row moved by id
+
+    assert store.called("dead_letter_claimed") == []
+    assert list(store.called("dead_letter_rows")[0]["reasons"]) == [bad]
+    assert bad in store.dead_letter and publisher.batches == []
+    loop.run_batch()
+    assert publisher.published_ids() == [before, after]
+
+
+def test_a_small_row_that_can_never_be_published_goes_with_its_batch() -> None:
+    loop, store, publisher = relay()
+    before = store.add()
+    bad = store.add(routing_key="k" * 256)
+
+    loop.run_batch()
+
+    assert [row_id for row_id, _ in store.called("dead_letter_claimed")[0]["rows"]] == [bad]
+    assert publisher.published_ids() == [before]

@@ -34,8 +34,10 @@ REASON_MAX = 500  # characters of a library's text kept in a reason
 # pika's (and RabbitMQ's) default frame_max, until a connection negotiated its own.
 DEFAULT_FRAME_MAX = 131072
 # The relay's defaults of OUTBOX_MAX_MESSAGE_BYTES and OUTBOX_LEDGER_STREAM: the producer API
-# checks events against them unless told the relay's own settings.
-DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+# checks events against them unless told the relay's own settings. 4 MiB: with
+# OUTBOX_BATCH_MAX_BYTES' 8 MiB, a relay's memory stays within the 128 MiB the shipped
+# manifests give it, whatever the rows hold (docs/reliability.md#memory).
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 DEFAULT_LEDGER_STREAM = "outbox.ledger"
 
 # Headers the relay sets on the message of a row that has an ordering_key: the key itself, and

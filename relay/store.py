@@ -32,6 +32,7 @@ from outbox_relay.postgres import (
     usable,
     warn_unchecked,
 )
+from outbox_relay.rules import DEFAULT_MAX_MESSAGE_BYTES
 from outbox_relay.tables import Tables
 
 # Planner guards of the relay's sessions. An outbox swings between empty and full and its
@@ -198,7 +199,7 @@ class OutboxStore:
 
     @translated
     def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = 134217728,
+              max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
               one_row_at_least: bool = True) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
         ``max_bytes`` of row data at most (one row at least, whatever its size, unless not

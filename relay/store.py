@@ -54,8 +54,14 @@ from outbox_relay.tables import Tables
 CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
                        "set_config('jit', 'off', false)")
 
-# Bytes a row may hold besides its payload (headers, text columns) and still be fetched: a
-# header table has to fit the broker's frame_max (128 KiB) anyway.
+# Bytes a row may hold besides its payload (headers, text columns) and still be fetched. A row
+# that can be published holds less: its header table fits frame_max, 128 KiB at most (what
+# pika asks for; a broker may only lower it), and the table's JSON text takes 6 characters per
+# byte of it at most ("null, " for a null, an escape for a control character: 768 KiB); its
+# ordering key is a header too (128 KiB), and exchange, routing key, message id and content
+# type are short strings (255 bytes each): 897 KiB. (A number counts in the table as 4 to 8
+# bytes whatever digits jsonb keeps of it: only a table of numbers written with many
+# thousands of digits could take more, and is refused.)
 ROW_HEADROOM = 1 << 20
 
 BATCH_STATEMENTS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "

@@ -28,6 +28,7 @@ from outbox_relay.relay.publisher import AmqpPublisher
 from outbox_relay.relay.settings import RelaySettings
 from outbox_relay.relay.store import BATCH_STATEMENTS_SETUP, OutboxStore
 from outbox_relay.relay.worker import Relay
+from outbox_relay.rules import DEFAULT_MAX_MESSAGE_BYTES
 
 
 class PlainCommitStore(OutboxStore):
@@ -52,9 +53,11 @@ class PlainCommitStore(OutboxStore):
         return self._open[-1] if getattr(self, "_open", None) else super().claim_conn
 
     def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = 134217728) -> list[OutboxRow]:
+              max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+              one_row_at_least: bool = True) -> list[OutboxRow]:
         self._open.append(next(c for c in self._sessions if c not in self._open))
-        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes)
+        return super().claim(limit, max_bytes, max_message_bytes=max_message_bytes,
+                             one_row_at_least=one_row_at_least)
 
     def rollback(self) -> None:
         self._open.pop().execute("ROLLBACK")

@@ -243,7 +243,7 @@ def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder) -> _Ro
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
         headers=headers, ordering_key=ordering_key, content_type=content_type,
         json_payload=payload is not None, max_message_bytes=max_message_bytes,
-        frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM)
+        frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM, headers_text=headers_text)
     if found is not None:
         raise InvalidEvent(found.field, found.reason)
     return _Row(message_id, exchange, routing_key, ordering_key, payload, payload_bytes,

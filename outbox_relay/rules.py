@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,8 +34,10 @@ REASON_MAX = 500  # characters of a library's text kept in a reason
 # pika's (and RabbitMQ's) default frame_max, until a connection negotiated its own.
 DEFAULT_FRAME_MAX = 131072
 # The relay's defaults of OUTBOX_MAX_MESSAGE_BYTES and OUTBOX_LEDGER_STREAM: the producer API
-# checks events against them unless told the relay's own settings.
-DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+# checks events against them unless told the relay's own settings. 4 MiB: with
+# OUTBOX_BATCH_MAX_BYTES' 8 MiB, a relay's memory stays within the 128 MiB the shipped
+# manifests give it, whatever the rows hold (docs/reliability.md#memory).
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 DEFAULT_LEDGER_STREAM = "outbox.ledger"
 
 # Headers the relay sets on the message of a row that has an ordering_key: the key itself, and
@@ -215,23 +218,24 @@ def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
         wire = properties.wire(**fields)
         if not fields["headers"]:
             return None, wire
-        size = (HEADER_FRAME_OVERHEAD + len(wire) if wire is not None
-                else _pika_header_frame_size(fields, body_size))
+        if wire is None:
+            wire = _pika_wire(fields)
     except Exception as exc:  # pika's encoder: struct.error, TypeError, ValueError, ...
         return Problem("headers", f"headers cannot be encoded as an AMQP table: {short_reason(exc)}"), None
+    size = HEADER_FRAME_OVERHEAD + len(wire)
     if size > frame_max:
         return Problem("headers", f"headers make a header frame of {size} bytes, over "
                                   f"the broker's frame_max of {frame_max} bytes"), None
     return None, wire
 
 
-def _pika_header_frame_size(fields: Mapping[str, Any], body_size: int) -> int:
-    """The header frame pika writes for properties struct does not encode (imported here only:
-    most tables never need it, and the producer API loads no pika for them)."""
-    import pika.frame
+def _pika_wire(fields: Mapping[str, Any]) -> bytes:
+    """The properties as pika encodes them, for a shape struct does not encode (imported here
+    only: most tables never need it, and the producer API loads no pika for them). The header
+    frame is these bytes and HEADER_FRAME_OVERHEAD."""
     import pika.spec
 
-    return len(pika.frame.Header(1, body_size, pika.spec.BasicProperties(**fields)).marshal())
+    return b"".join(pika.spec.BasicProperties(**fields).encode())
 
 
 def publish_problem(
@@ -248,6 +252,7 @@ def publish_problem(
     max_message_bytes: int,
     frame_max: int = DEFAULT_FRAME_MAX,
     ledger_stream: str | None = None,
+    headers_text: str | None = None,
 ) -> Problem | None:
     """Why the relay would dead-letter a row with these values (the field at fault and the
     reason it would dead-letter the row with), or None if it would publish it.
@@ -258,9 +263,14 @@ def publish_problem(
     (the relay's user is not known either). ``body_size`` is the payload's size in bytes (a
     JSON payload's UTF-8 text), ``created_at`` a datetime or epoch seconds (None: now).
     ``frame_max`` is the broker's (the relay uses the value its connection negotiated),
-    ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM. The broker's verdicts (unroutable, no
-    such exchange, refused) are not foreseen here.
+    ``ledger_stream`` the relay's OUTBOX_LEDGER_STREAM, ``headers_text`` the headers' JSON text
+    as it will be stored (measured first, as the relay does). The broker's verdicts
+    (unroutable, no such exchange, refused) are not foreseen here.
     """
+    if headers_text is not None:
+        undecodable = headers_text_problem(headers_text, frame_max)
+        if undecodable is not None:
+            return Problem("headers", undecodable)
     stamp = datetime.now(timezone.utc).timestamp() if created_at is None else _epoch(created_at)
     headers = {} if headers is None else headers
     forged = relay_headers_problem(headers)
@@ -283,6 +293,81 @@ def default_content_type(json_payload: bool) -> str:
     """The content type of a row that sets none: JSON for ``payload``, bytes for
     ``payload_bytes``."""
     return "application/json" if json_payload else "application/octet-stream"
+
+
+# The headers' JSON text longer than this is measured before it is decoded: json.loads of it
+# may take tens of times its size (an array of small integers or of empty objects), and a
+# table it would make may be far over frame_max. Shorter texts decode within a few MiB.
+HEADERS_TEXT_MEASURED_ABOVE = 4096
+# The header frame besides its table: HEADER_FRAME_OVERHEAD, property flags (2), the lengths of
+# content type and message id (1 each), delivery mode (1) and timestamp (8).
+HEADER_FRAME_FLOOR = HEADER_FRAME_OVERHEAD + 13
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_GAP_TOKENS = (", ", ": ", "{", "[", "{}", "[]", "null", "true", "false")
+_JSON_KINDS = {"[": "list", '"': "str", "t": "bool", "f": "bool", "n": "NoneType"}
+
+
+def headers_text_problem(text: str, frame_max: int) -> str | None:
+    """Why headers of this JSON text (jsonb as PostgreSQL prints it) can never be published,
+    told without decoding it: a text of HEADERS_TEXT_MEASURED_ABOVE characters or more that is
+    no object, or whose header frame would be over the broker's frame_max (header_frame_floor).
+    None: decode it (decode_headers)."""
+    if len(text) < HEADERS_TEXT_MEASURED_ABOVE:
+        return None
+    if text[0] != "{":
+        kind = _JSON_KINDS.get(text[0]) or ("int" if text.lstrip("-").isdigit() else "float")
+        return f"headers must be a JSON object, got {kind}"
+    floor = header_frame_floor(text, above=frame_max)
+    if floor > frame_max:
+        return (f"headers make a header frame of at least {floor} bytes, over the broker's "
+                f"frame_max of {frame_max} bytes")
+    return None
+
+
+def header_frame_floor(text: str, above: int | None = None) -> int:
+    """The fewest bytes of a header frame carrying the table of this JSON object's text (jsonb
+    as PostgreSQL prints it: ", " between items, ": " after keys), counted without decoding it;
+    or, once that exceeds ``above``, a count over ``above`` (the rest is not read).
+
+    Every value of a table costs its type byte, a container 4 bytes of length, a key 1 byte of
+    length, a string 4 of length, a number 4 at least, a boolean 1, and every character of a
+    string's text but its escapes one byte at least (an escape: 6 characters for one byte at
+    most). This counts each of them outside the strings (str.count between one string and the
+    next, in C; nothing is copied): a lower bound, so no table that fits is refused, within
+    bytes of the exact size for the tables that cost the most to decode (many small values).
+    A number counts 4 bytes however many digits jsonb keeps of it (trailing zeros included):
+    a long text of a few numbers is decoded, not refused.
+    """
+    # What escapes take beyond one byte, in the whole text (backslashes are in strings only):
+    # \uXXXX 6 characters, the others 2 (an escaped backslash counts twice: a bound still).
+    unicode_escapes = text.count("\\u")
+    escapes = 5 * unicode_escapes + text.count("\\") - unicode_escapes
+    counts = dict.fromkeys(_GAP_TOKENS, 0)
+    strings = string_chars = 0
+    position = 0
+
+    def floor() -> int:
+        keys, containers = counts[": "], counts["{"] + counts["["]
+        values = counts[", "] + containers - counts["{}"] - counts["[]"]
+        booleans = counts["true"] + counts["false"]
+        numbers = values - counts["null"] - booleans - (strings - keys) - (containers - 1)
+        return (HEADER_FRAME_FLOOR + 4 * containers + values + keys + booleans
+                + 4 * (strings - keys) + 4 * max(0, numbers) + max(0, string_chars - escapes))
+
+    for found in _JSON_STRING.finditer(text):
+        start, end = found.span()
+        for token in _GAP_TOKENS:
+            counts[token] += text.count(token, position, start)
+        strings += 1
+        string_chars += end - start - 2
+        position = end
+        # The count up to a string: exact but when that string is a key whose ": " is not
+        # read yet, counted as a string value (4 bytes of length, not 1): 3 bytes less.
+        if above is not None and strings % 256 == 0 and floor() - 3 > above:
+            return floor() - 3
+    for token in _GAP_TOKENS:
+        counts[token] += text.count(token, position)
+    return floor()
 
 
 def decode_headers(text: str) -> tuple[Any, str | None]:

@@ -18,11 +18,13 @@ from outbox_relay.model import Message, OutboxRow, Unpublishable
 from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     EMPTY_HEADERS,
+    HEADERS_TEXT_MEASURED_ABOVE,
     amqp_value,
     decode_headers,
     default_content_type,
     encoding_problem,
     field_problem,
+    headers_text_problem,
     message_headers,
     property_fields,
     relay_headers_problem,
@@ -35,7 +37,12 @@ _UNSET: dict[str, Any] = dict(vars(BasicProperties()))
 
 class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no type hints
     """pika's BasicProperties, with their wire form computed beforehand
-    (outbox_relay.properties): pika writes these bytes as they are."""
+    (outbox_relay.properties, or pika's encoder once): pika writes these bytes as they are.
+
+    The header table is kept in that form only, and decoded from it when read: a batch holds
+    its messages' bytes, never their tables as Python objects, which take up to tens of times
+    more (docs/reliability.md#memory).
+    """
 
     def __init__(self, wire: bytes, fields: Mapping[str, Any]) -> None:
         # What BasicProperties.__init__ does (it only assigns its fourteen properties), as two
@@ -45,6 +52,16 @@ class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no t
         self.__dict__.update(_UNSET)
         self.__dict__.update(fields)
         self.wire = wire
+        if self.headers is not None:
+            del self.headers  # __getattr__ reads it back from the wire form
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for ``headers``, when read: decoded from the wire form (tests, logs)."""
+        if name != "headers":
+            raise AttributeError(name)
+        decoded = BasicProperties()
+        decoded.decode(self.wire)
+        return decoded.headers
 
     def encode(self) -> list[bytes]:
         return [self.wire]
@@ -78,7 +95,13 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
         if flat:  # the column's default, most rows: nothing to decode, only the relay's headers
             headers: Any = {}
         else:
-            headers, undecodable = decode_headers(row.headers)
+            # A long text is measured first, decoded only if its table can fit: a table that
+            # cannot is never built (headers_text_problem; the length test inlined, most
+            # headers are short).
+            undecodable = (headers_text_problem(row.headers, frame_max)
+                           if len(row.headers) >= HEADERS_TEXT_MEASURED_ABOVE else None)
+            if undecodable is None:
+                headers, undecodable = decode_headers(row.headers)
             if undecodable is not None:
                 return Unpublishable(undecodable)
             forged = relay_headers_problem(headers)

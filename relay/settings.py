@@ -73,11 +73,12 @@ MAX_MESSAGE_BYTES = Option(
     "max_message_bytes", "OUTBOX_MAX_MESSAGE_BYTES", message_bytes, str(DEFAULT_MAX_MESSAGE_BYTES),
     "largest body published; larger rows are dead-lettered (match the broker's max_message_size)",
     doc="a row whose `row_bytes` exceed it by more than 1 MiB is moved to the dead-letter table "
-        "by the claim itself, never fetched into the relay",
+        "by the claim itself, never fetched into the relay; with OUTBOX_BATCH_MAX_BYTES, bounds "
+        "the relay's memory: [reliability.md](reliability.md#memory)",
 )
 
 BATCH_MAX_BYTES = Option(
-    "batch_max_bytes", "OUTBOX_BATCH_MAX_BYTES", batch_bytes, "16777216",
+    "batch_max_bytes", "OUTBOX_BATCH_MAX_BYTES", batch_bytes, "8388608",
     "bytes of row data claimed per batch besides OUTBOX_BATCH_SIZE (the row_bytes column: "
     "payload, headers, text columns); a batch takes one row at least",
     doc="the next batch, claimed while this one is confirmed, gets what this one left; bounds "

@@ -35,6 +35,7 @@ from outbox_relay.postgres import (
     warn_key_readers,
     warn_unchecked,
 )
+from outbox_relay.rules import DEFAULT_MAX_MESSAGE_BYTES
 from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
 
@@ -57,8 +58,14 @@ from outbox_relay.tables import Tables
 CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
                        "set_config('jit', 'off', false)")
 
-# Bytes a row may hold besides its payload (headers, text columns) and still be fetched: a
-# header table has to fit the broker's frame_max (128 KiB) anyway.
+# Bytes a row may hold besides its payload (headers, text columns) and still be fetched. A row
+# that can be published holds less: its header table fits frame_max, 128 KiB at most (what
+# pika asks for; a broker may only lower it), and the table's JSON text takes 6 characters per
+# byte of it at most ("null, " for a null, an escape for a control character: 768 KiB); its
+# ordering key is a header too (128 KiB), and exchange, routing key, message id and content
+# type are short strings (255 bytes each): 897 KiB. (A number counts in the table as 4 to 8
+# bytes whatever digits jsonb keeps of it: only a table of numbers written with many
+# thousands of digits could take more, and is refused.)
 ROW_HEADROOM = 1 << 20
 
 BATCH_STATEMENTS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
@@ -233,10 +240,12 @@ class OutboxStore:
 
     @translated
     def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = 134217728) -> list[OutboxRow]:
+              max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+              one_row_at_least: bool = True) -> list[OutboxRow]:
         """Step 1: BEGIN, then lock and delete up to ``limit`` due rows (SKIP LOCKED), about
-        ``max_bytes`` of row data at most (one row at least). A row too big to ever publish is
-        moved to the dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
+        ``max_bytes`` of row data at most (one row at least, whatever its size, unless not
+        ``one_row_at_least``: a claim ahead). A row too big to ever publish is moved to the
+        dead-letter table by the claim itself, unfetched (its ``dead_reason`` set).
 
         Fetched in binary: the body (bytea) arrives as it is, not hex-encoded. Every column is
         of a type psycopg always loads (headers as text, created_at as float8 and text).
@@ -254,7 +263,8 @@ class OutboxStore:
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
-                    "max_row_bytes": max_message_bytes + ROW_HEADROOM}, prepare=False)
+                    "max_row_bytes": max_message_bytes + ROW_HEADROOM,
+                    "one_row_at_least": one_row_at_least}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
         except BaseException:
@@ -279,8 +289,7 @@ class OutboxStore:
         params = [
             {"id": r.id, "message_id": r.message_id, "exchange": r.exchange,
              "routing_key": r.routing_key, "ordering_key": r.ordering_key,
-             "payload": r.body.decode() if r.is_json else None,
-             "payload_bytes": None if r.is_json else r.body, "headers": r.headers,
+             "is_json": r.is_json, "body": r.body, "headers": r.headers,
              "content_type": r.content_type, "created_at": r.created_at,
              "attempts": r.attempts, "error": error}
             for r, error in rows

@@ -64,6 +64,13 @@ NACK_EVIDENCE_SECONDS = 10.0
 # look shrinks with it), doubling back to a whole batch as its claims come back full.
 AHEAD_RESTART_SHARE = 8
 
+# A claimed row that can never be published goes to the dead-letter table inside its claim
+# (dead_letter_claimed), its columns sent back to PostgreSQL: two more copies of it in the
+# relay while they are sent (the driver's parameter buffer and libpq's). A row of this many
+# bytes or more is moved by PostgreSQL itself instead, after the claim is rolled back
+# (_set_aside): no copy at all, for the relay's memory bound (docs/reliability.md#memory).
+DEAD_LETTER_COPY_MAX = 1 << 20
+
 
 class Store(Protocol):
     ledger_key: bytes  # read on connect: signs the ledger records
@@ -74,8 +81,8 @@ class Store(Protocol):
     def connect(self, lock_class: int, instance: int) -> None: ...
     def close(self) -> None: ...
     def reset(self) -> None: ...
-    def claim(self, limit: int, max_bytes: int, *,
-              max_message_bytes: int = ...) -> list[OutboxRow]: ...
+    def claim(self, limit: int, max_bytes: int, *, max_message_bytes: int = ...,
+              one_row_at_least: bool = ...) -> list[OutboxRow]: ...
     def dead_letter_claimed(self, rows: Sequence[tuple[OutboxRow, str]]) -> None: ...
     def dead_letter_rows(self, reasons: Mapping[int, str]) -> list[int]: ...
     def rollback(self) -> None: ...
@@ -235,7 +242,8 @@ class Relay(Loop):
         messages = [m for m in messages if m.row_id not in failed_early]
         stopped = [row for row, _ in invalid + oversized] + [
             row for row in rows if row.id in failed_early]
-        if held_back(messages, stopped):
+        if held_back(messages, stopped) \
+                or any(row.row_bytes >= DEAD_LETTER_COPY_MAX for row, _ in invalid):
             self._set_aside(invalid + oversized, failed_early, rows)
             return len(rows)
         if invalid:
@@ -338,7 +346,8 @@ class Relay(Loop):
         """A keyed row of the batch cannot go (it can never be published, or its exchange is
         missing) and newer rows of its key are in the batch: publishing them would put them
         first. Roll the claim back, publishing nothing, then dead-letter that row or count its
-        attempt on its own; the next claim holds its key back (sql/queries.sql)."""
+        attempt on its own; the next claim holds its key back (sql/queries.sql). The same for
+        a row to dead-letter of DEAD_LETTER_COPY_MAX bytes or more: PostgreSQL moves it."""
         self.store.rollback()
         dead = set(self.store.dead_letter_rows({row.id: reason for row, reason in invalid}))
         self._log_dead_lettered([(row, error) for row, error in invalid if row.id in dead])
@@ -373,7 +382,9 @@ class Relay(Loop):
         if budget <= 0:
             return
         try:
-            rows = self._claim(budget, self._ahead_rows)
+            # Within what is left, strictly: no row beyond it, not even one (it would be a
+            # second batch's worth of memory; the next batch claims it).
+            rows = self._claim(budget, self._ahead_rows, one_row_at_least=False)
             if not rows:
                 if self._batch_keyed:
                     self._ahead_rows = max(1, self.settings.batch_size // AHEAD_RESTART_SHARE)
@@ -396,10 +407,12 @@ class Relay(Loop):
         self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max,
                             user_id=self.publisher.user_id)
 
-    def _claim(self, max_bytes: int, limit: int | None = None) -> list[OutboxRow]:
+    def _claim(self, max_bytes: int, limit: int | None = None, *,
+               one_row_at_least: bool = True) -> list[OutboxRow]:
         s = self.settings
         return self.store.claim(limit or s.batch_size, max_bytes,
-                                max_message_bytes=s.max_message_bytes)
+                                max_message_bytes=s.max_message_bytes,
+                                one_row_at_least=one_row_at_least)
 
     def _waiting_for_standby(self, exc: StandbyWaitTimeout) -> None:
         """OUTBOX_STANDBY_WAIT's standby did not flush this batch's claim in time: nothing is

@@ -21,11 +21,13 @@
 -- negative value counts as fresh.
 --
 -- A batch holds at most %(limit)s rows and about %(max_bytes)s bytes of row data (row_bytes,
--- computed by PostgreSQL at insert: what the relay fetches of a row), and always one row at
--- least. The budget cuts the locked rows in id order; rows locked beyond it stay locked
--- until the batch ends, so the relay asks for about twice the rows that fit last time
--- (store.py). A row over %(max_row_bytes)s bytes (OUTBOX_MAX_MESSAGE_BYTES plus room for
--- headers) is never fetched: this statement moves it to the dead-letter table itself
+-- computed by PostgreSQL at insert: what the relay fetches of a row), and one row at least
+-- when %(one_row_at_least)s (a batch claimed ahead, while another is in memory, takes none
+-- beyond its budget, the retried row included: the relay's memory bound, reliability.md).
+-- The budget cuts the locked rows in id order; rows locked beyond it stay locked until the
+-- batch ends, so the relay asks for about twice the rows that fit last time (store.py). A row
+-- over %(max_row_bytes)s bytes (OUTBOX_MAX_MESSAGE_BYTES plus room for headers) is never
+-- fetched: this statement moves it to the dead-letter table itself
 -- (oversized) and returns only its id, message_id and reason.
 --
 -- Every column comes in a form psycopg always loads, whatever a producer wrote: the body as
@@ -119,6 +121,8 @@ WITH live AS MATERIALIZED (
     WHERE ctid = ANY(coalesce(
         nullif(ARRAY(SELECT ctid FROM {outbox} AS o
                      WHERE attempts > 0 AND available_at <= now()
+                       AND (%(one_row_at_least)s OR row_bytes <= %(max_bytes)s
+                            OR row_bytes > %(max_row_bytes)s)
                        AND (ordering_key IS NULL
                             OR ((SELECT h.id FROM {outbox} AS h
                                  WHERE h.ordering_key = o.ordering_key
@@ -195,7 +199,7 @@ WITH live AS MATERIALIZED (
                                 WINDOW k AS (PARTITION BY ordering_key), w AS (ORDER BY id))
                                AS keyed) AS checked
                     WINDOW k AS (PARTITION BY ordering_key)) AS decided
-              WHERE (n = 1 OR taken <= %(max_bytes)s)
+              WHERE ((n = 1 AND %(one_row_at_least)s) OR taken <= %(max_bytes)s)
                 AND (ordering_key IS NULL
                      OR (head_id = first_of_key AND (id = first_of_key OR gapless))))))
     RETURNING *
@@ -237,11 +241,14 @@ FROM oversized;
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
 -- transaction: it is committed together with the batch, or rolled back with it. The dead
--- letter gets an id of its own (no conflict can drop it); outbox_id keeps the row's.
+-- letter gets an id of its own (no conflict can drop it); outbox_id keeps the row's. The
+-- body goes back as the claim fetched it, bytes sent in binary (a JSON payload's UTF-8 text
+-- too): the relay makes no copy of it for this.
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
                            payload_bytes, headers, content_type, created_at, attempts, last_error)
 VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
-        %(payload)s::jsonb, %(payload_bytes)s, %(headers)s::jsonb, %(content_type)s,
+        CASE WHEN %(is_json)s THEN convert_from(%(body)s, 'UTF8')::jsonb END,
+        CASE WHEN NOT %(is_json)s THEN %(body)s END, %(headers)s::jsonb, %(content_type)s,
         %(created_at)s::timestamptz, least(%(attempts)s, 2147483646) + 1, %(error)s);
 
 -- name: forget_delivered

@@ -42,7 +42,7 @@ from outbox_relay.tables import Tables
 
 SHAPES = ("none", "keys", "headers")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
-                "max_row_bytes": (128 << 20) + 65536}
+                "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True}
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 

@@ -117,3 +117,51 @@ def test_producer_written_attempts_cannot_hide_a_row_or_break_the_claim(
     outbox.rollback()
 
     assert [r.message_id for r in rows] == ["negative"]
+
+
+def test_a_claim_ahead_takes_no_row_beyond_its_budget(env: Env, outbox: OutboxStore) -> None:
+    # The batch claimed ahead shares the byte budget with the one in memory (issue 32).
+    add(env, 3, payload_bytes=b"x" * 5000)
+
+    none = outbox.claim(10, 100, one_row_at_least=False)
+    outbox.rollback()
+    two = outbox.claim(10, 2 * 5100, one_row_at_least=False)
+    outbox.rollback()
+
+    assert none == [] and len(two) == 2
+
+
+def test_a_claim_ahead_takes_no_retried_row_beyond_its_budget(env: Env,
+                                                             outbox: OutboxStore) -> None:
+    add(env, payload_bytes=b"r" * 5000, attempts=1, message_id="retried")
+    add(env, 2, payload_bytes=b"f" * 10)
+
+    ahead = outbox.claim(10, 1000, one_row_at_least=False)
+    outbox.rollback()
+    alone = outbox.claim(10, 1000)
+    outbox.rollback()
+
+    # Fresh rows that fit instead (the retried one waits for a batch of its own).
+    assert len(ahead) == 2 and "retried" not in {r.message_id for r in ahead}
+    assert [r.message_id for r in alone] == ["retried"]
+
+
+def test_a_claimed_row_goes_to_the_dead_letter_table_exactly_as_it_was(
+        env: Env, outbox: OutboxStore) -> None:
+    # The body goes back in binary, a JSON payload's text too (no copy of it made in Python).
+    add(env, payload=Jsonb({"text": "ключ € 😀", "n": [1, 2.5, None]}), message_id="json",
+        headers=Jsonb({"h": "v"}))
+    add(env, payload_bytes=b"\x00\xff" * 100, message_id="bytes")
+
+    rows = outbox.claim(10, MB)
+    outbox.dead_letter_claimed([(row, "a reason") for row in rows])
+    outbox.prepare("t" + env.gid_prefix + ":00000001:2")
+    outbox.finish("t" + env.gid_prefix + ":00000001:2", commit=True)
+
+    with env.connect() as conn:
+        dead = {row[0]: row[1:] for row in conn.execute(sql.SQL(
+            "SELECT message_id, payload, payload_bytes, headers, last_error FROM {}").format(
+            Tables(env.table).dead_letter)).fetchall()}
+    assert dead["json"] == ({"text": "ключ € 😀", "n": [1, 2.5, None]}, None, {"h": "v"},
+                            "a reason")
+    assert dead["bytes"] == (None, b"\x00\xff" * 100, {}, "a reason")

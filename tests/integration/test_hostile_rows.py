@@ -112,6 +112,23 @@ def test_headers_nested_thousands_of_levels_deep(env: Env, where: str) -> None:
     settle(env, [relay(env)], {"nested": "nested"}, head + tail)
 
 
+def test_headers_of_ten_mib_are_refused_from_their_text(env: Env) -> None:
+    # Issue 32: a 10 MiB JSON array of zeros (valid jsonb, under OUTBOX_MAX_MESSAGE_BYTES)
+    # took a relay from 43 MB to 835 MB while it was decoded. Now measured, never decoded.
+    head = normal(env, "head")
+    zeros = "(SELECT jsonb_agg(0) FROM generate_series(1, 10 * 1048576 / 3))"
+    with env.connect() as conn:
+        for message_id, headers in (("array", zeros),
+                                    ("table", f"jsonb_build_object('a', {zeros})")):
+            conn.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload,"
+                                 " headers) VALUES (%s, %s, 'k', '{{}}', " + headers + ")").format(
+                Tables(env.table).outbox), (message_id, env.exchange))
+    tail = normal(env, "tail")
+    settle(env, [relay(env, OUTBOX_MAX_MESSAGE_BYTES=str(16 << 20))],
+           {"array": "headers must be a JSON object, got list",
+            "table": "headers make a header frame of at least"}, head + tail)
+
+
 def test_headers_larger_than_frame_max(env: Env) -> None:
     # RabbitMQ closes the whole connection (FRAME_ERROR) on a header frame over frame_max.
     head = normal(env, "head")
@@ -189,6 +206,13 @@ def test_payload_over_the_message_size_limit(env: Env) -> None:
     settle(env, [relay(env, OUTBOX_MAX_MESSAGE_BYTES=str(1 << 20))],
            {"too-big-bytes": "exceeds OUTBOX_MAX_MESSAGE_BYTES=1048576",
             "too-big-json": "exceeds OUTBOX_MAX_MESSAGE_BYTES=1048576"}, head + tail)
+    # Over 1 MiB, fetched, then moved by PostgreSQL after the claim rolled back (no copy
+    # sent back from the relay: relay/worker.py, DEAD_LETTER_COPY_MAX): stored whole.
+    with env.connect() as conn:
+        sizes = dict(conn.execute(sql.SQL(
+            "SELECT message_id, coalesce(octet_length(payload_bytes), octet_length(payload::text))"
+            " FROM {}").format(Tables(env.table).dead_letter)).fetchall())
+    assert sizes == {"too-big-bytes": (1 << 20) + 1, "too-big-json": (1 << 20) + len('{"pad": ""}')}
 
 
 @pytest.mark.parametrize("column", ["exchange", "routing_key", "message_id", "content_type"])

@@ -120,7 +120,7 @@ class Statement:
 
 # The claim's parameters as the relay passes them (a byte budget the batch does not reach).
 CLAIM = {"limit": BATCH, "max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
-         "max_row_bytes": (128 << 20) + store.ROW_HEADROOM}
+         "max_row_bytes": (128 << 20) + store.ROW_HEADROOM, "one_row_at_least": True}
 
 
 def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[str, Any]]:

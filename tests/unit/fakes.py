@@ -252,14 +252,17 @@ class FakeStore(_Scripted):
         if self.is_connected:
             self._abort_open()
 
-    def claim(self, limit: int, max_bytes: int = 1 << 60, *,
-              max_message_bytes: int = 1 << 60) -> list[OutboxRow]:
-        fault = self._enter("claim", "claim", limit=limit, max_bytes=max_bytes)
+    def claim(self, limit: int, max_bytes: int = 1 << 60, *, max_message_bytes: int = 1 << 60,
+              one_row_at_least: bool = True) -> list[OutboxRow]:
+        fault = self._enter("claim", "claim", limit=limit, max_bytes=max_bytes,
+                            one_row_at_least=one_row_at_least)
         if self.open is not None:
             raise ProtocolViolation("claim (BEGIN) inside an open transaction")
         due = [r for r in self.rows.values() if r.available_at <= self.now]
         retry = sorted((r for r in due if r.attempts > 0 and self._in_order(r, [])),
                        key=lambda r: (r.available_at, r.id))
+        # A claim ahead takes no retried row beyond its budget either.
+        retry = [r for r in retry if one_row_at_least or r.claimed().row_bytes <= max_bytes]
         if self.retry_alone and retry:
             taken = retry[:1]
         else:
@@ -272,8 +275,8 @@ class FakeStore(_Scripted):
                 if not self._in_order(row, taken):
                     continue  # its key waits for an older row (per-key order)
                 size = row.claimed().row_bytes
-                if taken and total + size > max_bytes:
-                    break  # the byte budget; one row at least
+                if (taken or not one_row_at_least) and total + size > max_bytes:
+                    break  # the byte budget; one row at least, unless a claim ahead
                 taken.append(row)
                 total += size
         self.open = Txn({r.id: self.rows.pop(r.id) for r in taken})

@@ -119,7 +119,7 @@ def test_a_bytes_payload_over_the_limit_is_refused() -> None:
 def test_the_default_limit_is_the_relays_default() -> None:
     from outbox_relay.relay.settings import RelaySettings
 
-    assert outbox_relay.DEFAULT_MAX_MESSAGE_BYTES == RelaySettings.max_message_bytes == 134217728
+    assert outbox_relay.DEFAULT_MAX_MESSAGE_BYTES == RelaySettings.max_message_bytes == 4 * 1024 * 1024
 
 
 def test_the_headers_of_a_keyed_event_are_checked_as_the_relay_will_send_them() -> None:

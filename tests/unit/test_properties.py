@@ -51,13 +51,16 @@ def test_the_fast_shapes_encode_as_pika_does(headers: dict[str, Any] | None,
 @pytest.mark.parametrize("user_id", [None, "outbox-relay"])
 def test_encoded_properties_hold_what_pikas_own_would(user_id: str | None) -> None:
     # EncodedProperties sets pika's attributes itself (BasicProperties.__init__ only assigns):
-    # the same names and values, plus the wire form.
+    # the same names and values, plus the wire form. The header table is kept in the wire form
+    # only (a batch holds no decoded tables) and read back from it.
     fields = {"message_id": "m-1", "content_type": "application/json", "timestamp": 5,
               "headers": {"k": "v"}, "user_id": user_id}
     properties = encoded(**fields)  # type: ignore[arg-type]
     assert isinstance(properties, EncodedProperties)
     attributes = dict(vars(properties))
     assert attributes.pop("wire") == properties.wire
+    assert "headers" not in attributes
+    attributes["headers"] = properties.headers
     assert attributes == vars(BasicProperties(delivery_mode=2, **fields))
 
 

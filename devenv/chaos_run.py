@@ -123,8 +123,9 @@ class Producer(threading.Thread):
 
 
 class HostileProducer(threading.Thread):
-    """Inserts a hostile row of a random kind every ``gap`` seconds on average, committed or
-    retried with the same message id (ON CONFLICT makes a retry after a lost commit safe).
+    """Inserts a hostile row every ``gap`` seconds on average, committed or retried with the
+    same message id (ON CONFLICT makes a retry after a lost commit safe): each kind once first,
+    in a random order (so a short run has every kind), then kinds at random.
 
     Forged ledger records name a batch that is in doubt right now (pg_prepared_xacts is
     readable by everyone), its real xid included. Now and then one is also appended to the
@@ -176,6 +177,8 @@ class HostileProducer(threading.Thread):
         conn: psycopg.Connection[Any] | None = None
         n = 0
         pending: dict[str, Any] | None = None
+        first = sorted(HOSTILE)
+        self.rng.shuffle(first)
         deadline = float("inf")
         while time.monotonic() < deadline:
             if self.stop_event.wait(self.rng.uniform(0, 2 * self.gap)):
@@ -193,7 +196,8 @@ class HostileProducer(threading.Thread):
                     continue
                 if pending is None:
                     n += 1
-                    pending = self._columns(self.rng.choice(sorted(HOSTILE)), n, conn)
+                    kind = (first.pop() if first else self.rng.choice(sorted(HOSTILE)))
+                    pending = self._columns(kind, n, conn)
                 names = list(pending)
                 casts = {"headers": "::jsonb", "created_at": "::timestamptz"}
                 values = ", ".join(f"%({name})s{casts.get(name, '')}" for name in names)

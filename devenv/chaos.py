@@ -64,7 +64,7 @@ class ServersRun(Run):
     mq_proxy: Proxy
 
     def start(self, stack: ExitStack) -> tuple[str, str]:
-        self.pg = stack.enter_context(PostgresServer(max_prepared_transactions=32))
+        self.pg = stack.enter_context(PostgresServer(max_prepared_transactions=64))
         self.rabbit = stack.enter_context(RabbitServer())
         self.database_url, self.amqp_url = self.pg.url, self.rabbit.url
         prepare(self.pg.url, self.rabbit.url, {QUEUE: {}}, {})

@@ -395,7 +395,7 @@ class ClusterRun(Run):
 
     def start(self, stack: ExitStack) -> tuple[str, str]:
         started = time.monotonic()
-        self.pair = PostgresPair(sync=True, max_prepared_transactions=32)
+        self.pair = PostgresPair(sync=True, max_prepared_transactions=64)
         stack.callback(self.pair.cleanup)
         self.cluster = RabbitCluster(3)
         stack.callback(self.cluster.cleanup)
@@ -423,6 +423,9 @@ class ClusterRun(Run):
         hosts = ",".join(f"{LOOPBACK}:{proxy.port}" for proxy in self.pg_proxies.values())
         return self.pair.url_via(hosts), ",".join(
             proxy.url(url) for proxy, url in zip(self.mq_proxies, self.cluster.urls, strict=True))
+
+    def neighbour_amqp_url(self) -> str:
+        return self.cluster.url  # every node: the first that answers
 
     def injector(self, programs: Programs) -> Injector:
         self.faulter = ClusterInjector(

@@ -3,7 +3,8 @@
 
 The skeleton, ``Run.main``: the options, the servers (the run's own, ``Run.start``), relays and
 a resolver reaching them through proxies the faults can cut (``Programs``), a steady producer
-and a hostile one (``Producer``, ``HostileProducer``), what the run watches besides
+and a hostile one (``Producer``, ``HostileProducer``), the hostile neighbours (poisoned ledger
+records, foreign prepared transactions: devenv/chaos_neighbours.py), what the run watches besides
 (``Run.watch``), the fault loop (an ``Injector`` of the run's kinds), the drain of the outbox
 and of the batches in doubt, the check (``Run.collect``) and the report: a figure a line, the
 JSON file, OK or FAILED, and the logs kept on failure. A run says only what differs.
@@ -30,6 +31,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from devenv import checker, launch
+from devenv.chaos_neighbours import Attacks, Neighbours, ResolverLog
 from devenv.proxy import Proxy
 from outbox_relay.schema import migrate
 
@@ -123,8 +125,9 @@ class Producer(threading.Thread):
 
 
 class HostileProducer(threading.Thread):
-    """Inserts a hostile row of a random kind every ``gap`` seconds on average, committed or
-    retried with the same message id (ON CONFLICT makes a retry after a lost commit safe).
+    """Inserts a hostile row every ``gap`` seconds on average, committed or retried with the
+    same message id (ON CONFLICT makes a retry after a lost commit safe): each kind once first,
+    in a random order (so a short run has every kind), then kinds at random.
 
     Forged ledger records name a batch that is in doubt right now (pg_prepared_xacts is
     readable by everyone), its real xid included. Now and then one is also appended to the
@@ -176,6 +179,8 @@ class HostileProducer(threading.Thread):
         conn: psycopg.Connection[Any] | None = None
         n = 0
         pending: dict[str, Any] | None = None
+        first = sorted(HOSTILE)
+        self.rng.shuffle(first)
         deadline = float("inf")
         while time.monotonic() < deadline:
             if self.stop_event.wait(self.rng.uniform(0, 2 * self.gap)):
@@ -193,7 +198,8 @@ class HostileProducer(threading.Thread):
                     continue
                 if pending is None:
                     n += 1
-                    pending = self._columns(self.rng.choice(sorted(HOSTILE)), n, conn)
+                    kind = (first.pop() if first else self.rng.choice(sorted(HOSTILE)))
+                    pending = self._columns(kind, n, conn)
                 names = list(pending)
                 casts = {"headers": "::jsonb", "created_at": "::timestamptz"}
                 values = ", ".join(f"%({name})s{casts.get(name, '')}" for name in names)
@@ -211,7 +217,8 @@ class HostileProducer(threading.Thread):
 
 class Programs:
     """The relays (``relay-0``...) and the resolver, last, each logging to ``<name>.log`` in
-    ``logdir`` (a respawned one appends to it)."""
+    ``logdir`` (a respawned one appends to it); the resolver logs JSON, which the run reads
+    (devenv/chaos_neighbours.py's ResolverLog)."""
 
     def __init__(self, relays: int, env: dict[str, str], logdir: Path) -> None:
         self.relays, self.env, self.logdir = relays, env, logdir
@@ -219,8 +226,8 @@ class Programs:
         self.procs = [self._spawn(name) for name in self.names]
 
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
-        return launch.launch(name.split("-")[0], self.env, self.logdir / f"{name}.log",
-                             append=True)
+        env = {**self.env, "OUTBOX_LOG_FORMAT": "json"} if name == "resolver" else self.env
+        return launch.launch(name.split("-")[0], env, self.logdir / f"{name}.log", append=True)
 
     def kill_relay(self, i: int) -> None:
         """SIGKILL relay ``i`` and start it again at once."""
@@ -289,21 +296,28 @@ class Injector:
         self.tally.black_holes += 1
 
 
-def scalar(url: str, query: str) -> float:
+def scalar(url: str, query: str, params: tuple[Any, ...] | None = None) -> float:
     """The one value ``query`` returns (0 for none), or -1 when PostgreSQL does not answer."""
     try:
         with psycopg.connect(url, autocommit=True, connect_timeout=2) as conn:
-            row = conn.execute(query).fetchone()
+            row = conn.execute(query, params).fetchone()
             return float(row[0]) if row and row[0] is not None else 0.0
     except psycopg.Error:
         return -1.0
 
 
-def watch_in_doubt(url: str, watching: threading.Event, tally: Tally) -> None:
-    """Sample the age of the oldest prepared transaction, faults and drain included."""
-    query = "SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts"
+# The relays' prepared transactions: not the neighbours' foreign ones (gids), nor the batches
+# of the relays they hold after PREPARE on purpose (gid heads): Attacks.not_relays().
+RELAYS_PREPARED = ("FROM pg_prepared_xacts WHERE gid <> ALL(%s::text[])"
+                   " AND NOT gid ^@ ANY(%s::text[])")
+
+
+def watch_in_doubt(url: str, watching: threading.Event, tally: Tally, attacks: Attacks) -> None:
+    """Sample the age of the relays' oldest prepared transaction, faults and drain included."""
+    query = f"SELECT extract(epoch FROM now() - min(prepared)) {RELAYS_PREPARED}"
     while watching.is_set():
-        tally.max_in_doubt_seconds = max(tally.max_in_doubt_seconds, scalar(url, query))
+        tally.max_in_doubt_seconds = max(tally.max_in_doubt_seconds,
+                                         scalar(url, query, attacks.not_relays()))
         time.sleep(0.25)
 
 
@@ -346,9 +360,10 @@ class Run:
     rate: ClassVar[float] = 500.0  # the options' defaults
     fault_gap: ClassVar[tuple[float, float]] = (4.0, 12.0)
     hostile_gap: ClassVar[float] = 1.0
+    neighbour_gap: ClassVar[float] = 5.0
     settings: ClassVar[dict[str, str]] = {}  # the programs' settings besides the common ones
     drain_seconds: ClassVar[float] = 180.0
-    row: ClassVar[str] = "  {name:<26}{value:>12}"  # a line of the report
+    row: ClassVar[str] = "  {name:<34}{value:>12}"  # a line of the report
     kept_logs: ClassVar[str] = "outbox-chaos-logs"  # under the temporary folder, on failure
 
     # Set by start(): the servers as the producers and the checks reach them (no proxy).
@@ -361,6 +376,8 @@ class Run:
         self.tally = Tally()
         self.injected = 0  # faults so far
         self.started = 0.0  # time.monotonic() when the faults began
+        self.attacks = Attacks()  # the hostile neighbours' (devenv/chaos_neighbours.py)
+        self.logdir = Path()  # the programs' logs, set by run()
 
     @classmethod
     def main(cls, argv: list[str] | None, description: str | None) -> int:
@@ -383,6 +400,11 @@ class Run:
         parser.add_argument("--hostile-gap", type=float, default=cls.hostile_gap,
                             metavar="SECONDS", help="mean seconds between hostile rows"
                             f" (0: none; default: {cls.hostile_gap:g})")
+        parser.add_argument("--neighbour-gap", type=float, default=cls.neighbour_gap,
+                            metavar="SECONDS", help="mean seconds between two poisoned ledger "
+                            "records of the hostile neighbours; a foreign prepared transaction "
+                            "every 3 of these, a poisoned takeover every 12 "
+                            f"(0: none; default: {cls.neighbour_gap:g})")
         args = parser.parse_args(argv)
         cls.check_arguments(parser, args)
         return cls(args).run()
@@ -410,6 +432,10 @@ class Run:
     def injector(self, programs: Programs) -> Injector:
         raise NotImplementedError
 
+    def neighbour_amqp_url(self) -> str:
+        """Where the hostile neighbours reach RabbitMQ (no proxy)."""
+        return self.amqp_url
+
     def watch(self, producer: Producer) -> None:
         """Start what the run watches besides (threads), once the traffic flows."""
 
@@ -426,6 +452,7 @@ class Run:
         args, rng, tally = self.args, self.rng, self.tally
         with ExitStack() as stack:
             logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-")))
+            self.logdir = logdir
             database_url, amqp_url = self.start(stack)
             env = launch.program_env(
                 database_url, amqp_url, OUTBOX_BATCH_SIZE=str(args.batch_size),
@@ -444,9 +471,16 @@ class Run:
                                       tally, random.Random(rng.random()))
             if args.hostile_gap > 0:
                 hostile.start()
+            neighbours = Neighbours(self.database_url, self.neighbour_amqp_url(), env, logdir,
+                                    args.neighbour_gap, stop, random.Random(
+                                        None if args.seed is None else f"{args.seed}-neighbours"))
+            self.attacks = neighbours.attacks
+            if args.neighbour_gap > 0:
+                Neighbours.create_role(self.database_url)
+                neighbours.start()
             self.watch(producer)
-            watch = threading.Thread(target=watch_in_doubt,
-                                     args=(self.database_url, watching, tally), daemon=True)
+            watch = threading.Thread(target=watch_in_doubt, args=(
+                self.database_url, watching, tally, self.attacks), daemon=True)
             watch.start()
 
             print(f"{self.title} for {args.duration:.0f} s: {args.relays} relays,"
@@ -457,12 +491,23 @@ class Run:
             producer.join(30)
             if hostile.is_alive():
                 hostile.join(30)
+            if neighbours.is_alive():
+                neighbours.join(180)
             self.before_drain()
             self.drain(programs)
             watching.clear()
             watch.join(10)
             programs.terminate()
-            return self.report(self.collect(), logdir)
+            # The run's own cleanup of the foreign transactions, before the checker counts
+            # what the relays left in doubt.
+            figures, zero = self.attacks.verdict(ResolverLog.read(logdir / "resolver.log"),
+                                                 self.attacks.finish(self.database_url))
+            verdict = self.collect()
+            verdict.figures["forged_order_header_rows"] = sum(
+                message_id.endswith("-forged_order_headers") for message_id in tally.hostile)
+            verdict.figures.update(figures)
+            verdict.zero.update(zero)
+            return self.report(verdict, logdir)
 
     def faults_loop(self, injector: Injector, programs: Programs) -> None:
         """For ``--duration`` seconds: a fault every ``--fault-gap`` seconds, at random by
@@ -486,15 +531,31 @@ class Run:
             time.sleep(0.5)
 
     def drain(self, programs: Programs) -> None:
-        """Wait (``drain_seconds`` at most) until the outbox is empty and nothing is in doubt."""
+        """Wait (``drain_seconds`` at most) until the outbox is empty, nothing of the relays is
+        in doubt, and the resolver has reported every foreign transaction prepared."""
         deadline = time.monotonic() + self.drain_seconds
         while time.monotonic() < deadline:
             left = scalar(self.database_url, "SELECT count(*) FROM outbox")
-            doubt = scalar(self.database_url, "SELECT count(*) FROM pg_prepared_xacts")
-            if left == 0 and doubt == 0:
+            doubt = scalar(self.database_url, f"SELECT count(*) {RELAYS_PREPARED}",
+                           self.attacks.not_relays())
+            if left == 0 and doubt == 0 and self.foreign_reported():
                 break
             programs.respawn_exited(self.tally)
             time.sleep(1)
+
+    def foreign_reported(self) -> bool:
+        """Whether the resolver's log names every foreign transaction prepared now."""
+        foreign = list(self.attacks.foreign)
+        if not foreign:
+            return True
+        try:
+            with psycopg.connect(self.database_url, autocommit=True, connect_timeout=2) as conn:
+                prepared = {row[0] for row in conn.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                    " AND gid = ANY(%s)", (foreign,))}
+        except psycopg.Error:
+            return False
+        return prepared <= set(ResolverLog.read(self.logdir / "resolver.log").foreign)
 
     def report(self, verdict: Verdict, logdir: Path) -> int:
         """Print the figures (and write them to --json) and the verdict; on failure, keep the
@@ -502,7 +563,8 @@ class Run:
         args = self.args
         print()
         for name, value in verdict.figures.items():
-            print(self.row.format(name=name, value=value))
+            shown = value if isinstance(value, (int, float, str)) else json.dumps(value)
+            print(self.row.format(name=name, value=shown))
         if args.json:
             args.json.write_text(json.dumps(verdict.figures, indent=2) + "\n")
         # Duplicates come from crashes and failed batches: a batch per relay per fault at most.

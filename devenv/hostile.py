@@ -5,12 +5,13 @@ What a party that shares the servers can do without any secret of the relays:
 - a broker user who may publish to the default exchange appends anything to the ledger stream:
   ``poisoned_records`` (records no check may raise on) and ``append_to_ledger``;
 - any PostgreSQL role may ``PREPARE TRANSACTION`` under any gid, ours included, once
-  ``max_prepared_transactions`` > 0: ``foreign_gids`` and ``prepare_foreign``.
+  ``max_prepared_transactions`` > 0: ``foreign_gids`` and ``prepare_foreign``; and a role that
+  cannot read the ledger key may prepare a gid a relay could have made (``relay_shaped_gid``).
 
 The resolver must leave each alone, count it and say so once, and go on deciding the relays'
 batches (docs/reliability.md, "Hostile and broken rows" and "The ledger's trust model").
 tests/integration/test_ledger_trust.py and tests/integration/test_foreign_prepared.py use these
-against real servers.
+against real servers; the chaos runs mix them into their traffic (devenv/chaos_neighbours.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 __all__ = ["POISONED_REJECTED_AS", "RawField", "append_to_ledger", "foreign_gids",
-           "poisoned_records", "prepare_foreign"]
+           "poisoned_records", "prepare_foreign", "relay_shaped_gid"]
 
 
 class RawField(bytes):
@@ -112,9 +113,10 @@ def append_to_ledger(amqp_url: str, stream: str, records: Mapping[str, tuple[byt
                      exchange: str = "") -> int:
     """Append ``records`` (bodies and headers) to the ledger stream as any user of the vhost
     can: through the default exchange unless told otherwise, each confirmed by the broker.
+    ``amqp_url``: one URL, or a cluster's comma-separated URLs (the first node that answers).
     Returns how many were appended."""
     bodies = list(records.values()) if isinstance(records, Mapping) else list(records)
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    conn = pika.BlockingConnection([pika.URLParameters(url) for url in amqp_url.split(",")])
     try:
         channel = conn.channel()
         channel.confirm_delivery()
@@ -142,6 +144,12 @@ def foreign_gids(prefix: str) -> dict[str, str]:
         "newline": f"{head}00000001:1\n2026-01-01 resolver INFO a forged log line",
         "not_our_format": f"{head}not-a-relay-gid",
     }
+
+
+def relay_shaped_gid(prefix: str, instance: int = 0xABC, sequence: int = 1) -> str:
+    """A gid a relay could have made (``Gid.parse`` accepts it): foreign only by who prepares
+    it, a role that cannot read the ledger key, as every relay's role can."""
+    return f"{prefix}:{instance:08x}:{sequence}"
 
 
 def prepare_foreign(db_url: str, gid: str, *, statement: str = "SELECT 1") -> None:

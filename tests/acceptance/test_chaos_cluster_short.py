@@ -1,6 +1,7 @@
 """The cluster chaos run in short form: 3 RabbitMQ nodes and a PostgreSQL primary with a
 synchronous standby, cluster faults in turn under load (no majority, relay kill, promotion,
-the relay's node, a PostgreSQL crash, leaders... as many as fit), hostile rows mixed in, then
+the relay's node, a PostgreSQL crash, leaders... as many as fit), hostile rows mixed in, the
+hostile neighbours' poisoned ledger records and foreign prepared transactions beside it, then
 the checker."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.acceptance.test_chaos_short import assert_neighbours_held_off
 from tests.conftest import ROOT
 
 
@@ -37,6 +39,7 @@ def test_cluster_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert figures["delivered"] == figures["events"] + figures["duplicated"], figures
     assert figures["hostile_dead_lettered"] == figures["hostile_rows"], figures
     assert figures["unexpected_exits"] == 0, figures
+    assert_neighbours_held_off(figures)
     # Per-key order of first copies at the broker (the audit queue, read after the run), 4
     # relays, through every fault. The consumer's own order is not asserted: a 3.10 quorum
     # queue can hand a consumer messages it missed newest first (docs/reliability.md).

@@ -1,5 +1,6 @@
 """The chaos run in short form: every kind of fault in turn under load, hostile rows mixed into
-the traffic, then the checker."""
+the traffic, the hostile neighbours' poisoned ledger records and foreign prepared transactions
+beside it, then the checker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,3 +40,20 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert figures["hostile_rows"] >= 10, figures
     assert figures["hostile_dead_lettered"] == figures["hostile_rows"], figures
     assert figures["unexpected_exits"] == 0, figures
+    assert_neighbours_held_off(figures)
+
+
+def assert_neighbours_held_off(figures: dict[str, Any]) -> None:
+    """Each attack of the hostile mix happened (the runs begin with each: a forged order header
+    among the first hostile rows, a poisoned takeover and a foreign transaction of each reason
+    at once, retried until one counts), and did nothing: the resolver rejected every poisoned
+    record of a takeover and committed none of their batches (the run's verdict), and left
+    every foreign transaction prepared (rolled back by the run itself), saying so in its log."""
+    assert figures["forged_order_header_rows"] >= 1, figures
+    assert figures["poisoned_takeovers"] >= 1, figures
+    assert figures["poisoned_ledger_records"] >= 20 * figures["poisoned_takeovers"], figures
+    assert figures["ledger_records_rejected"] >= 20 * figures["poisoned_takeovers"], figures
+    by_reason = figures["foreign_prepared_by_reason"]
+    assert by_reason.get("gid", 0) >= 1 and by_reason.get("owner", 0) >= 1, figures
+    assert figures["foreign_left_prepared"] == figures["foreign_prepared"], figures
+    assert figures["foreign_reported"] == figures["foreign_prepared"], figures

@@ -30,6 +30,7 @@ from outbox_relay.model import (
     PublishResult,
     Reason,
     Server,
+    TracedMessage,
     Unpublishable,
 )
 from outbox_relay.relay.messages import to_message
@@ -288,6 +289,7 @@ class Relay(Loop):
             self._lost_streak = 0
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
+                self._count_trace_dropped(messages)
                 self._log_dead_lettered(invalid, gid=gid)
             self.fault("after_commit")
         else:
@@ -345,6 +347,13 @@ class Relay(Loop):
         if failed_early:
             self._settle(PublishResult(failed=dict(failed_early)), gid=None, published=[],
                          message_ids={row.id: row.message_id for row in rows})
+
+    def _count_trace_dropped(self, messages: list[Message]) -> None:
+        """Messages of a committed batch published without their row's malformed trace
+        context (relay/messages.py)."""
+        for message in messages:
+            if type(message) is TracedMessage and message.trace_dropped is not None:
+                self.metrics.trace_context_dropped.labels(message.trace_dropped).inc()
 
     def _log_dead_lettered(self, rows: list[tuple[OutboxRow, str]], *,
                            gid: str | None = None) -> None:

@@ -16,7 +16,8 @@ from tests.conftest import ROOT
 # the programs run on, the broker client, and the optional integrations.
 NOT_FOR_SERVICES = ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
                     "outbox_relay.rabbitmq", "outbox_relay.pika_private", "pika", "tenacity",
-                    "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic")
+                    "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic",
+                    "opentelemetry")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -90,3 +91,33 @@ def test_each_program_loads_the_other_not(program: str) -> None:
     modules = loaded_after(f"import {program}")
     assert of(modules, (other,)) == []
     assert of(modules, ("relay", "resolver", "sql")) == []
+
+
+@pytest.mark.parametrize("statement", [RECORDING])
+def test_opentelemetry_installed_but_unused_is_not_loaded(statement: str) -> None:
+    """The extra otel installed, in a service that does not use OpenTelemetry: producing loads
+    none of it (outbox_relay.tracing asks sys.modules first)."""
+    assert of(loaded_after(f"import outbox_relay; {statement}"), ("opentelemetry",)) == []
+
+
+@pytest.mark.parametrize("statement", [RECORDING])
+def test_the_library_works_without_opentelemetry(statement: str) -> None:
+    """The extra otel absent (importing opentelemetry fails): producing works."""
+    modules = loaded_after("sys.modules['opentelemetry'] = None; import outbox_relay; "
+                           + statement)
+    assert "outbox_relay.tracing" in modules  # the glue itself is always there, and harmless
+
+
+def test_a_service_using_opentelemetry_gets_the_trace_context_loaded() -> None:
+    """The other side of the rule: with a span active, enqueue loads OpenTelemetry's API (the
+    propagator), no SDK."""
+    modules = loaded_after(
+        "from opentelemetry import trace; from opentelemetry.trace import NonRecordingSpan, "
+        "SpanContext; from outbox_relay.testing import RecordingOutbox; "
+        "from outbox_relay import enqueue; o = RecordingOutbox(); "
+        "span = NonRecordingSpan(SpanContext(1, 2, is_remote=False)); "
+        "ctx = trace.use_span(span); ctx.__enter__(); "
+        "enqueue(o, exchange='e', routing_key='r', payload=1); o.commit(); "
+        "assert o.events[0].headers['traceparent'].startswith('00-'), o.events[0].headers")
+    assert "opentelemetry.trace.propagation.tracecontext" in modules
+    assert of(modules, ("opentelemetry.sdk",)) == []

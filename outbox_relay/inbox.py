@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
@@ -33,7 +34,7 @@ import psycopg.errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from outbox_relay import caller
+from outbox_relay import caller, tracing
 from outbox_relay import sql as sql_files
 from outbox_relay.errors import ConfigError, InboxError
 from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
@@ -211,6 +212,10 @@ class Inbox:
     your service): ``stale_skipped``, the events ``record`` found STALE (each also logged, action
     inbox_event_stale: its effect was never applied), and ``untrusted_order``. A transaction run
     again (``retries``) counts again.
+
+    The pika and aio-pika helpers run each message in an OpenTelemetry span (outbox_relay.
+    tracing) when the service uses OpenTelemetry: its parent is the producer's span, carried by
+    the message's traceparent header.
     """
 
     def __init__(self, table: str = "inbox", *, consumer: str = "default",
@@ -397,7 +402,8 @@ class Inbox:
         """One delivery of a pika channel (consumed with auto_ack off): ``process`` it, then ack
         it; if the handler raised, nack it by ``on_error`` (Outcome None). A message without a
         message_id is rejected without requeue. If the database connection is lost, the
-        message is requeued and the error raised (out of ``start_consuming``): reconnect."""
+        message is requeued and the error raised (out of ``start_consuming``): reconnect.
+        With OpenTelemetry in use, all of it runs in the message's span (``_span``)."""
         tag = method.delivery_tag
         try:
             message = InboxMessage.from_pika(method, properties, body)
@@ -405,17 +411,21 @@ class Inbox:
             self._log_failure(exc, None, False)
             channel.basic_nack(tag, requeue=False)
             return None
-        try:
-            outcome = self.process(conn, message, handler)
-        except Exception as exc:
-            if _connection_lost(conn):
-                channel.basic_nack(tag, requeue=True)
-                raise
-            requeue = self._requeue(on_error, message)
-            self._log_failure(exc, message, requeue)
-            channel.basic_nack(tag, requeue=requeue)
-            return None
-        channel.basic_ack(tag)
+        with self._span(message, tag) as span:
+            try:
+                outcome = self.process(conn, message, handler)
+            except Exception as exc:
+                if _connection_lost(conn):
+                    span.outcome("failed")  # the span records the exception raised
+                    channel.basic_nack(tag, requeue=True)
+                    raise
+                requeue = self._requeue(on_error, message)
+                span.failed(exc)
+                self._log_failure(exc, message, requeue)
+                channel.basic_nack(tag, requeue=requeue)
+                return None
+            span.outcome(outcome.value)
+            channel.basic_ack(tag)
         return outcome
 
     def pika_callback(self, conn: psycopg.Connection[Any], handler: Handler, *,
@@ -433,24 +443,28 @@ class Inbox:
                               on_error: OnError = OnError.REQUEUE_ONCE) -> Outcome | None:
         """``handle_pika`` for aio-pika (``async for message in queue.iterator()``, no_ack
         off): ``process_async``, then ack; the same error policy; a lost database connection
-        requeues the message and raises."""
+        requeues the message and raises. The same span."""
         try:
             inbox_message = InboxMessage.from_aio_pika(message)
         except InboxError as exc:
             self._log_failure(exc, None, False)
             await message.nack(requeue=False)
             return None
-        try:
-            outcome = await self.process_async(conn, inbox_message, handler)
-        except Exception as exc:
-            if _connection_lost(conn):
-                await message.nack(requeue=True)
-                raise
-            requeue = self._requeue(on_error, inbox_message)
-            self._log_failure(exc, inbox_message, requeue)
-            await message.nack(requeue=requeue)
-            return None
-        await message.ack()
+        with self._span(inbox_message, message.delivery_tag) as span:
+            try:
+                outcome = await self.process_async(conn, inbox_message, handler)
+            except Exception as exc:
+                if _connection_lost(conn):
+                    span.outcome("failed")  # the span records the exception raised
+                    await message.nack(requeue=True)
+                    raise
+                requeue = self._requeue(on_error, inbox_message)
+                span.failed(exc)
+                self._log_failure(exc, inbox_message, requeue)
+                await message.nack(requeue=requeue)
+                return None
+            span.outcome(outcome.value)
+            await message.ack()
         return outcome
 
     def aio_pika_callback(self, conn: psycopg.AsyncConnection[Any], handler: AsyncHandler, *,
@@ -463,6 +477,16 @@ class Inbox:
             await self.handle_aio_pika(conn, message, handler, on_error=on_error)
 
         return on_message
+
+    def _span(self, message: InboxMessage,
+              delivery_tag: int | None) -> AbstractContextManager[tracing.ConsumerSpan]:
+        """The span a helper processes ``message`` in: a CONSUMER span whose parent is the
+        message's trace context, with the messaging attributes and the outcome (tracing.py);
+        nothing when the service does not use OpenTelemetry."""
+        return tracing.consuming(
+            consumer=self.consumer, message_id=message.message_id, exchange=message.exchange,
+            routing_key=message.routing_key, headers=message.headers,
+            body_size=len(message.body), delivery_tag=delivery_tag)
 
     def _log_failure(self, exc: Exception, message: InboxMessage | None, requeue: bool) -> None:
         log.warning(  # %r: a message id is a producer's text, escaped (no forged log lines)

@@ -93,16 +93,33 @@ def test_each_program_loads_the_other_not(program: str) -> None:
     assert of(modules, ("relay", "resolver", "sql")) == []
 
 
-@pytest.mark.parametrize("statement", [RECORDING])
+# A consumer's inbox at work through its pika helper, on stand-ins for the connection and
+# the channel (the SQL is not what is looked at here).
+INBOX_AT_WORK = (
+    "from types import SimpleNamespace as NS; from contextlib import nullcontext; "
+    "from psycopg.pq import TransactionStatus; from outbox_relay import Inbox, Outcome; "
+    "inbox = Inbox('inbox', consumer='billing'); inbox.record = lambda c, m: Outcome.APPLIED; "
+    "conn = NS(closed=False, broken=False, transaction=nullcontext, "
+    "info=NS(transaction_status=TransactionStatus.IDLE)); "
+    "channel = NS(basic_ack=lambda tag: None, basic_nack=lambda tag, requeue: None); "
+    "props = NS(message_id='m', headers={'traceparent': "
+    "'00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'}, content_type=None, "
+    "user_id=None, timestamp=1700000000); "
+    "method = NS(delivery_tag=1, routing_key='r', exchange='e', redelivered=False); "
+    "assert inbox.handle_pika(conn, channel, method, props, b'{}', lambda c, m: None) "
+    "is Outcome.APPLIED")
+
+
+@pytest.mark.parametrize("statement", [RECORDING, INBOX_AT_WORK])
 def test_opentelemetry_installed_but_unused_is_not_loaded(statement: str) -> None:
-    """The extra otel installed, in a service that does not use OpenTelemetry: producing loads
-    none of it (outbox_relay.tracing asks sys.modules first)."""
+    """The extra otel installed, in a service that does not use OpenTelemetry: producing and
+    consuming load none of it (outbox_relay.tracing asks sys.modules first)."""
     assert of(loaded_after(f"import outbox_relay; {statement}"), ("opentelemetry",)) == []
 
 
-@pytest.mark.parametrize("statement", [RECORDING])
+@pytest.mark.parametrize("statement", [RECORDING, INBOX_AT_WORK])
 def test_the_library_works_without_opentelemetry(statement: str) -> None:
-    """The extra otel absent (importing opentelemetry fails): producing works."""
+    """The extra otel absent (importing opentelemetry fails): producing and consuming work."""
     modules = loaded_after("sys.modules['opentelemetry'] = None; import outbox_relay; "
                            + statement)
     assert "outbox_relay.tracing" in modules  # the glue itself is always there, and harmless

@@ -1,25 +1,48 @@
-"""OpenTelemetry without servers: the producer API records the current span's context with
-each event (and keeps one the caller set)."""
+"""OpenTelemetry on both ends, without servers: the producer API records the current span's
+context with each event (and keeps one the caller set); the inbox's pika and aio-pika helpers
+process a message in a CONSUMER span whose parent is the message's context, with the messaging
+attributes and the outcome. The end-to-end trace through a real relay:
+tests/integration/test_tracing.py."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from types import SimpleNamespace
 from typing import Any
 
+import pika
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
+    SpanKind,
+    StatusCode,
     TraceFlags,
     TraceState,
     set_span_in_context,
 )
 from opentelemetry.trace import format_span_id as span_hex
 from opentelemetry.trace import format_trace_id as trace_hex
+from psycopg.pq import TransactionStatus
 
-from outbox_relay import Event, InvalidEvent, enqueue, enqueue_async, enqueue_many
+from outbox_relay import (
+    Event,
+    Inbox,
+    InboxMessage,
+    InvalidEvent,
+    OnError,
+    Outcome,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+)
 from outbox_relay.testing import RecordingOutbox
-from tests.fix_otel import tracer
+from tests.fix_otel import spans, tracer
+
+__all__ = ["spans"]  # the fixture, used by name
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -107,3 +130,155 @@ def test_enqueue_async_records_the_context_of_its_call() -> None:
 
     trace_id = asyncio.run(produce())
     assert recorded_headers(outbox)[0]["traceparent"].split("-")[1] == trace_id
+
+
+# -- the inbox ----------------------------------------------------------------------------------
+
+
+class FakeConn:
+    """What Inbox.process asks of a psycopg connection, around an overridden ``record``."""
+
+    closed = False
+    broken = False
+    info = SimpleNamespace(transaction_status=TransactionStatus.IDLE)
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        yield
+
+
+class FakeAsyncConn(FakeConn):
+    @asynccontextmanager  # type: ignore[override]
+    async def transaction(self) -> AsyncIterator[None]:
+        yield
+
+
+class ScriptedInbox(Inbox):
+    """An Inbox whose ``record`` returns the outcome the test sets (the SQL is tested against
+    PostgreSQL in tests/integration/test_inbox.py)."""
+
+    outcome = Outcome.APPLIED
+
+    def record(self, target: Any, message: InboxMessage) -> Any:
+        if isinstance(target, FakeAsyncConn):
+            async def recorded() -> Outcome:
+                return self.outcome
+            return recorded()
+        return self.outcome
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.acks: list[int] = []
+        self.nacks: list[tuple[int, bool]] = []
+
+    def basic_ack(self, tag: int) -> None:
+        self.acks.append(tag)
+
+    def basic_nack(self, tag: int, requeue: bool) -> None:
+        self.nacks.append((tag, requeue))
+
+
+def delivery(headers: dict[str, Any] | None = None, *, message_id: str | None = "m-1",
+             exchange: str = "orders", timestamp: int | None = None) -> tuple[Any, Any, bytes]:
+    method = SimpleNamespace(delivery_tag=7, routing_key="order.paid", exchange=exchange,
+                             redelivered=False)
+    properties = pika.BasicProperties(message_id=message_id, headers=headers,
+                                      timestamp=timestamp, user_id="outbox-relay")
+    return method, properties, b'{"n": 1}'
+
+
+def handle(inbox: Inbox, handler: Any, *args: Any, **kwargs: Any) -> tuple[Any, FakeChannel]:
+    channel = FakeChannel()
+    outcome = inbox.handle_pika(FakeConn(), channel, *delivery(*args, **kwargs), handler,  # type: ignore[arg-type]
+                                on_error=OnError.REJECT)
+    return outcome, channel
+
+
+def test_the_handler_runs_in_a_consumer_span_child_of_the_message_context(
+        spans: InMemorySpanExporter) -> None:
+    seen: list[Any] = []
+
+    def handler(conn: Any, message: InboxMessage) -> None:
+        with tracer().start_as_current_span("apply payment") as inner:
+            seen.append(inner)
+
+    outcome, channel = handle(ScriptedInbox(consumer="billing"), handler,
+                              {"traceparent": PARENT, "tracestate": "congo=t61"})
+
+    assert outcome is Outcome.APPLIED and channel.acks == [7]
+    apply, process = spans.get_finished_spans()
+    assert process.name == "process orders" and process.kind is SpanKind.CONSUMER
+    assert process.parent is not None and process.parent.is_remote
+    assert trace_hex(process.context.trace_id) == PARENT.split("-")[1]
+    assert span_hex(process.parent.span_id) == PARENT.split("-")[2]
+    assert dict(process.context.trace_state) == {"congo": "t61"}
+    assert apply.parent is not None and apply.parent.span_id == process.context.span_id
+    assert dict(process.attributes or {}) == {
+        "messaging.system": "rabbitmq", "messaging.operation.name": "process",
+        "messaging.operation.type": "process", "messaging.destination.name": "orders",
+        "messaging.rabbitmq.destination.routing_key": "order.paid",
+        "messaging.rabbitmq.message.delivery_tag": 7, "messaging.message.id": "m-1",
+        "messaging.message.body.size": 8, "outbox_relay.inbox.consumer": "billing",
+        "outbox_relay.inbox.outcome": "applied"}
+    assert process.status.status_code is StatusCode.UNSET
+
+
+@pytest.mark.parametrize("outcome", [Outcome.DUPLICATE, Outcome.STALE])
+def test_a_skipped_message_s_span_says_why(spans: InMemorySpanExporter, outcome: Outcome) -> None:
+    inbox = ScriptedInbox(consumer="billing")
+    inbox.outcome = outcome
+    assert handle(inbox, lambda conn, message: None, {"traceparent": PARENT})[0] is outcome
+    (process,) = spans.get_finished_spans()
+    assert (process.attributes or {})["outbox_relay.inbox.outcome"] == outcome.value
+
+
+def test_a_failing_handler_s_span_is_an_error(spans: InMemorySpanExporter) -> None:
+    def handler(conn: Any, message: InboxMessage) -> None:
+        raise KeyError("no such order")
+
+    outcome, channel = handle(ScriptedInbox(consumer="billing"), handler, {"traceparent": PARENT})
+    assert outcome is None and channel.nacks == [(7, False)]
+    (process,) = spans.get_finished_spans()
+    assert (process.attributes or {})["outbox_relay.inbox.outcome"] == "failed"
+    assert (process.attributes or {})["error.type"] == "KeyError"
+    assert process.status.status_code is StatusCode.ERROR
+    assert [event.name for event in process.events] == ["exception"]
+
+
+def test_a_message_without_a_trace_context_starts_a_trace(spans: InMemorySpanExporter) -> None:
+    handle(ScriptedInbox(consumer="billing"), lambda conn, message: None, None, exchange="")
+    (process,) = spans.get_finished_spans()
+    assert process.parent is None and process.name == "process"
+
+
+def test_a_malformed_trace_context_starts_a_trace(spans: InMemorySpanExporter) -> None:
+    handle(ScriptedInbox(consumer="billing"), lambda conn, message: None,
+           {"traceparent": "00-garbage"})
+    (process,) = spans.get_finished_spans()
+    assert process.parent is None
+
+
+def test_aio_pika_messages_get_the_same_span(spans: InMemorySpanExporter) -> None:
+    acked: list[str] = []
+
+    class Incoming(SimpleNamespace):
+        async def ack(self) -> None:
+            acked.append("ack")
+
+        async def nack(self, requeue: bool) -> None:
+            acked.append(f"nack {requeue}")
+
+    message = Incoming(message_id="m-2", body=b"{}", headers={"traceparent": PARENT.encode()},
+                       routing_key="order.paid", exchange="orders", content_type=None,
+                       redelivered=False, user_id=None, timestamp=None, delivery_tag=9)
+
+    async def handler(conn: Any, message: InboxMessage) -> None:
+        pass
+
+    outcome = asyncio.run(ScriptedInbox(consumer="billing").handle_aio_pika(
+        FakeAsyncConn(), message, handler))  # type: ignore[arg-type]
+    assert outcome is Outcome.APPLIED and acked == ["ack"]
+    (process,) = spans.get_finished_spans()
+    assert span_hex(process.parent.span_id) == PARENT.split("-")[2]  # type: ignore[union-attr]
+    assert (process.attributes or {})["messaging.rabbitmq.message.delivery_tag"] == 9

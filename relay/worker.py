@@ -10,7 +10,7 @@ from typing import Protocol
 
 import tenacity
 
-from outbox_relay import ledger
+from outbox_relay import ledger, tracing
 from outbox_relay.errors import (
     BatchFailed,
     ConnectionLost,
@@ -263,7 +263,7 @@ class Relay(Loop):
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
         # claim the next batch (step 1 only) while the broker works.
-        result, sent = self._publish(messages)
+        result, sent = self._publish(messages, gid)
         result.failed.update(failed_early)  # so the batch is not complete
         committed = False
         if result.complete(len(messages)):
@@ -305,12 +305,20 @@ class Relay(Loop):
             raise claim_error  # this batch is finished; the loop now resets the claim session
         return len(rows)
 
-    def _publish(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
+    def _publish(self, messages: list[Message], gid: str) -> tuple[PublishResult, list[int]]:
+        """Step 3, in the batch's publish span when the relay runs with OpenTelemetry
+        (outbox_relay.tracing.publishing; nothing otherwise). Returns what the broker said, and
+        the rows sent."""
+        with tracing.publishing(messages, gid=gid) as span:
+            result, sent = self._publish_waves(messages)
+            span.result(result, len(sent))
+        return result, sent
+
+    def _publish_waves(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
         """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed.
         A key whose message the broker refused (returned, nacked) sends nothing more; the
         other keys go on. After a closed channel or a lost connection nothing more is sent. The
-        next batch is claimed during the first wave. Returns what the broker said, and the rows
-        sent."""
+        next batch is claimed during the first wave."""
         result = PublishResult()
         sent: list[int] = []
         stopped: set[str] = set()  # keys with an unconfirmed message: their rest waits

@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 
 from outbox_relay.model import Message, TracedMessage
 from outbox_relay.relay.messages import to_message
@@ -19,9 +21,12 @@ from outbox_relay.rules import (
     trace_context_problem,
     without_trace_context,
 )
+from tests.fix_otel import spans
 from tests.unit.fakes import Outcome
-from tests.unit.relay_rig import Rig
+from tests.unit.relay_rig import Rig, make_rig
 from tests.unit.test_messages import row
+
+__all__ = ["spans"]  # the fixture, used by name
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 STATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
@@ -182,3 +187,68 @@ def test_no_tracestate_holds_the_relay_up(tracestate: str) -> None:
     found = trace_context_problem({TRACEPARENT_HEADER: PARENT, TRACESTATE_HEADER: tracestate[:8192]})
     assert found is not None and found.field == "tracestate"
     assert time.perf_counter() - started < 0.5  # about 2 ms at worst, measured
+
+
+# -- the relay's publish span (OpenTelemetry's SDK set up in this process) ----------------------
+
+
+def test_a_traced_relay_publishes_a_batch_in_a_span_linked_to_its_events(
+        rig: Rig, spans: InMemorySpanExporter) -> None:
+    other = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    rig.store.add(headers={TRACEPARENT_HEADER: PARENT, TRACESTATE_HEADER: STATE})
+    rig.store.add()
+    rig.store.add(headers={TRACEPARENT_HEADER: other})
+    rig.store.add(headers={TRACEPARENT_HEADER: "dropped"})
+
+    rig.relay.run_batch()
+
+    (publish,) = spans.get_finished_spans()
+    assert publish.name == "publish events" and publish.kind is SpanKind.PRODUCER
+    assert publish.parent is None  # the relay's own trace; the events' are links away
+    assert [(f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}",
+             int(link.context.trace_flags)) for link in publish.links] == [
+        ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331", 1),
+        ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", 0)]
+    attributes = dict(publish.attributes or {})
+    assert attributes.pop("outbox_relay.gid").startswith(rig.relay.settings.gid_prefix)
+    assert attributes == {
+        "messaging.system": "rabbitmq", "messaging.operation.name": "publish",
+        "messaging.operation.type": "send", "messaging.batch.message_count": 4,
+        "messaging.destination.name": "events", "outbox_relay.confirmed_count": 4}
+    assert publish.status.status_code is StatusCode.UNSET
+
+
+def test_a_refused_batch_s_span_is_an_error(rig: Rig, spans: InMemorySpanExporter) -> None:
+    refused = rig.store.add(headers={TRACEPARENT_HEADER: PARENT})
+    rig.store.add(exchange="other")
+    rig.publisher.script(refused, Outcome.RETURN, times=1)
+
+    rig.relay.run_batch()
+
+    (publish,) = spans.get_finished_spans()
+    assert publish.name == "publish"  # two exchanges
+    assert "messaging.destination.name" not in (publish.attributes or {})
+    assert publish.status.status_code is StatusCode.ERROR
+    assert (publish.attributes or {})["error.type"] == "unroutable"
+
+
+def test_a_batch_s_span_gets_no_more_links_than_the_sdk_keeps(
+        monkeypatch: pytest.MonkeyPatch, spans: InMemorySpanExporter) -> None:
+    rig = make_rig(monkeypatch, batch_size=130)
+    for n in range(130):
+        rig.store.add(headers={TRACEPARENT_HEADER: f"00-{n + 1:032x}-{n + 1:016x}-01"})
+
+    rig.relay.run_batch()
+
+    (publish,) = spans.get_finished_spans()
+    assert (publish.attributes or {})["messaging.batch.message_count"] == 130
+    # The first 128 (OTEL_SPAN_LINK_COUNT_LIMIT's default): the SDK would drop the others.
+    assert [link.context.span_id for link in publish.links] == list(range(1, 129))
+
+
+@pytest.mark.parametrize(("text", "limit"), [("", 128), ("5", 5), ("0", 0), ("-1", 0),
+                                             ("many", 128)])
+def test_the_link_limit_is_the_sdk_s_setting(text: str, limit: int) -> None:
+    from outbox_relay.tracing import _link_limit
+
+    assert _link_limit(text) == limit

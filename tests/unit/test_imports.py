@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 NOT_FOR_SERVICES = ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
                     "outbox_relay.rabbitmq", "outbox_relay.pika_private", "pika", "tenacity",
                     "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic",
-                    "opentelemetry")
+                    "opentelemetry", "outbox_relay.inbox_metrics")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -123,6 +123,14 @@ def test_the_library_works_without_opentelemetry(statement: str) -> None:
     modules = loaded_after("sys.modules['opentelemetry'] = None; import outbox_relay; "
                            + statement)
     assert "outbox_relay.tracing" in modules  # the glue itself is always there, and harmless
+
+
+def test_inbox_metrics_load_prometheus_client_only_when_asked() -> None:
+    modules = loaded_after("import outbox_relay; from outbox_relay.inbox_metrics import "
+                           "InboxMetrics; outbox_relay.Inbox(consumer='b', metrics=InboxMetrics())")
+    assert "prometheus_client" in modules
+    assert of(modules, ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
+                        "pika", "opentelemetry")) == []
 
 
 def test_a_service_using_opentelemetry_gets_the_trace_context_loaded() -> None:

@@ -7,8 +7,10 @@ tests/integration/test_tracing.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
@@ -282,3 +284,85 @@ def test_aio_pika_messages_get_the_same_span(spans: InMemorySpanExporter) -> Non
     (process,) = spans.get_finished_spans()
     assert span_hex(process.parent.span_id) == PARENT.split("-")[2]  # type: ignore[union-attr]
     assert (process.attributes or {})["messaging.rabbitmq.message.delivery_tag"] == 9
+
+
+# -- the inbox's metrics ----------------------------------------------------------------------
+
+
+def sample(registry: Any, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else float(value)
+
+
+def test_the_inbox_counts_outcomes_and_times_the_handler() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from outbox_relay.inbox_metrics import InboxMetrics
+
+    registry = CollectorRegistry()
+    inbox = ScriptedInbox(consumer="billing", metrics=InboxMetrics(registry))
+    # Every outcome is declared from the start.
+    for outcome in ("applied", "duplicate", "stale", "failed"):
+        assert registry.get_sample_value("outbox_inbox_messages_total",
+                                         {"consumer": "billing", "outcome": outcome}) == 0
+
+    created = int(datetime.now(timezone.utc).timestamp()) - 30
+    handle(inbox, lambda conn, message: None, None, timestamp=created)
+    inbox.outcome = Outcome.DUPLICATE
+    handle(inbox, lambda conn, message: None, None, timestamp=created)
+    inbox.outcome = Outcome.APPLIED
+
+    def failing(conn: Any, message: InboxMessage) -> None:
+        raise RuntimeError("boom")
+
+    handle(inbox, failing, None)
+    handle(inbox, lambda conn, message: None, None, message_id=None)  # rejected: no id
+
+    def count(outcome: str) -> float:
+        return sample(registry, "outbox_inbox_messages_total", consumer="billing",
+                      outcome=outcome)
+
+    assert [count(o) for o in ("applied", "duplicate", "stale", "failed")] == [1, 1, 0, 2]
+    # The handler ran twice: applied, and raised.
+    assert sample(registry, "outbox_inbox_handler_duration_seconds_count", consumer="billing") == 2
+    # The age of the one applied event: 30 s by its timestamp, give or take the test's time.
+    assert sample(registry, "outbox_inbox_event_age_seconds_count", consumer="billing") == 1
+    age = sample(registry, "outbox_inbox_event_age_seconds_sum", consumer="billing")
+    assert 30 <= age < 90
+
+
+def test_two_inboxes_share_one_registry_s_metrics_by_consumer() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from outbox_relay.inbox_metrics import InboxMetrics
+
+    registry = CollectorRegistry()
+    billing = ScriptedInbox(consumer="billing", metrics=InboxMetrics(registry))
+    shipping = ScriptedInbox(consumer="shipping", metrics=InboxMetrics(registry))
+    handle(billing, lambda conn, message: None, None)
+    handle(shipping, lambda conn, message: None, None)
+    handle(shipping, lambda conn, message: None, None)
+    assert sample(registry, "outbox_inbox_messages_total", consumer="billing",
+                  outcome="applied") == 1
+    assert sample(registry, "outbox_inbox_messages_total", consumer="shipping",
+                  outcome="applied") == 2
+
+
+def test_an_inbox_without_metrics_measures_nothing() -> None:
+    inbox = ScriptedInbox(consumer="billing")
+    assert handle(inbox, lambda conn, message: None, None)[0] is Outcome.APPLIED
+
+
+def test_metrics_must_be_inbox_metrics() -> None:
+    from outbox_relay import ConfigError
+
+    with pytest.raises(ConfigError, match="InboxMetrics"):
+        Inbox(consumer="billing", metrics=True)  # type: ignore[arg-type]
+
+
+def test_an_inbox_message_has_the_amqp_timestamp_in_utc() -> None:
+    method, properties, body = delivery(timestamp=1_700_000_000)
+    message = InboxMessage.from_pika(method, properties, body)
+    assert message.timestamp == datetime.fromtimestamp(1_700_000_000, timezone.utc)
+    assert InboxMessage.from_pika(*delivery()).timestamp is None
+    assert json.loads(message.body) == {"n": 1}

@@ -22,6 +22,7 @@ BACKLOG_ALERT = 1000
 IN_DOUBT_ALERT = 120
 SCAN_ALERT = 120
 SESSION_ALERT = 300
+EVENT_AGE_ALERT = 60
 
 
 def m(metric: str) -> str:
@@ -166,6 +167,34 @@ PANELS = [
           "CPU cores used by each relay and resolver process (process_cpu_seconds_total).",
           [(f"{rate('process_cpu_seconds_total')} and on (namespace, job, instance) {OURS}",
             _legend("namespace", "job", "instance"))], unit="percentunit"),
+    # The consumers' side: the inbox's metrics, exported by each consuming service
+    # (outbox_relay.inbox_metrics; their job is the service's).
+    Panel("Inbox: event age when applied p50 / p99",
+          "How old an event was when a consumer's inbox committed it: from the producer's "
+          "commit (the AMQP timestamp, the row's created_at, in whole seconds) to the "
+          "consumer's, the delay the services' users see; by consumer. The red line is "
+          f"OutboxEventAgeHigh's level ({EVENT_AGE_ALERT} s at p99, for 5 min).",
+          [(f"histogram_quantile(0.99, sum by ({BY}, consumer, le) "
+            f"({rate('outbox_inbox_event_age_seconds_bucket')}))",
+            _legend("namespace", "job", "consumer") + " p99"),
+           (f"histogram_quantile(0.5, sum by ({BY}, consumer, le) "
+            f"({rate('outbox_inbox_event_age_seconds_bucket')}))",
+            _legend("namespace", "job", "consumer") + " p50")],
+          unit="s", threshold=EVENT_AGE_ALERT),
+    Panel("Inbox: messages by outcome /s",
+          "What the consumers' inboxes did: applied (the handler ran and committed), duplicate "
+          "(a copy, acked), stale (older than the key's last applied event), failed (the "
+          "handler or the database raised: requeued or rejected by on_error).",
+          [(f"sum by ({BY}, consumer, outcome) ({rate('outbox_inbox_messages_total')})",
+            _legend("namespace", "job", "consumer", "outcome"))], unit="ops"),
+    Panel("Inbox: handler duration p50 / p99",
+          "Each run of a consumer's handler, inside the inbox's transaction.",
+          [(f"histogram_quantile(0.99, sum by ({BY}, consumer, le) "
+            f"({rate('outbox_inbox_handler_duration_seconds_bucket')}))",
+            _legend("namespace", "job", "consumer") + " p99"),
+           (f"histogram_quantile(0.5, sum by ({BY}, consumer, le) "
+            f"({rate('outbox_inbox_handler_duration_seconds_bucket')}))",
+            _legend("namespace", "job", "consumer") + " p50")], unit="s"),
     Panel("Versions running",
           "Processes by version (outbox_relay_build_info, outbox_resolver_build_info): two lines "
           "during a rolling upgrade.",
@@ -174,7 +203,8 @@ PANELS = [
 
 
 def _variable(name: str, label: str, matchers: str) -> dict[str, Any]:
-    names = "outbox_relay_build_info|outbox_resolver_build_info"
+    # The consuming services are found by their inbox's metrics.
+    names = "outbox_relay_build_info|outbox_resolver_build_info|outbox_inbox_messages_total"
     query = f'label_values({{__name__=~"{names}"{matchers}}}, {name})'
     return {
         "name": name, "label": label, "type": "query",

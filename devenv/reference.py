@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import CollectorRegistry
 
 from devenv import dashboard
-from outbox_relay import inbox_cli
+from outbox_relay import inbox_cli, inbox_metrics
 from outbox_relay.relay import cli as relay_cli
 from outbox_relay.relay import metrics as relay_metrics
 from outbox_relay.relay import settings as relay_settings
@@ -127,17 +128,32 @@ def configuration_md() -> str:
 
 # -- docs/operations.md: metrics ---------------------------------------------------------------
 
+# The consumer label's value is the Inbox's consumer name: the table names none.
+_CONSUMER = "consumer"
+
+
+def _inbox_registry() -> CollectorRegistry:
+    """The inbox's metrics (a consuming service's, opt-in), with one consumer's children: the
+    outcomes they pre-declare."""
+    registry = CollectorRegistry()
+    inbox_metrics.InboxMetrics(registry).for_consumer(_CONSUMER)
+    return registry
+
+
 def metrics_table() -> str:
     lines = ["| Metric | Program | Type | Meaning |", "|---|---|---|---|"]
     for program, registry in (("relay", relay_metrics.RelayMetrics().registry),
-                              ("resolver", resolver_metrics.ResolverMetrics().registry)):
+                              ("resolver", resolver_metrics.ResolverMetrics().registry),
+                              ("inbox (your service)", _inbox_registry())):
         for metric in metrics.describe(registry):
             labels = "{" + ",".join(metric.labels) + "}" if metric.labels else ""
             meaning = metric.help.replace(" (value 1)", "")
-            if metric.label_values:
+            values = {label: found for label, found in metric.label_values.items()
+                      if found != (_CONSUMER,)}
+            if values:
                 meaning += "; " + "; ".join(
-                    f"{label}: " + ", ".join(_code(v) for v in values)
-                    for label, values in metric.label_values.items())
+                    f"{label}: " + ", ".join(_code(v) for v in found)
+                    for label, found in values.items())
             kind = "gauge (info, value 1)" if metric.type == "info" else metric.type
             lines.append(f"| {_code(metric.name + labels)} | {program} | {kind} | "
                          f"{_cell(meaning)} |")

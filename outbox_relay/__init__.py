@@ -24,7 +24,9 @@ A service's unit tests can record events without a database: ``outbox_relay.test
 The implementation lives in ``outbox_relay.producer`` and ``outbox_relay.inbox``; this package
 is the one import a service needs, and it loads neither program (``outbox_relay.relay``,
 ``outbox_relay.resolver``) nor pika. SQLAlchemy and aio-pika are optional (extras ``sqlalchemy`` and
-``aio-pika``): nothing here imports them.
+``aio-pika``): nothing here imports them. Nor OpenTelemetry (extra ``otel``), which
+``outbox_relay.tracing`` uses only in a process that imported it itself, nor prometheus-client,
+which the inbox's metrics need (``outbox_relay.inbox_metrics``, opt-in).
 """
 
 from outbox_relay.errors import ConfigError, InboxError, InvalidEvent, NotInTransaction, OutboxError

@@ -23,8 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
@@ -33,7 +36,7 @@ import psycopg.errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from outbox_relay import caller
+from outbox_relay import caller, tracing
 from outbox_relay import sql as sql_files
 from outbox_relay.errors import ConfigError, InboxError
 from outbox_relay.rules import ORDERING_KEY_HEADER, POSITION_HEADER
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
     from sqlalchemy.orm import Session, scoped_session
+
+    from outbox_relay.inbox_metrics import ConsumerMetrics, InboxMetrics
 
     SyncTarget: TypeAlias = (psycopg.Connection[Any] | psycopg.Cursor[Any] | Session
                              | scoped_session[Any] | SAConnection | caller.DBAPICursor)
@@ -91,6 +96,9 @@ class InboxMessage:
     # The AMQP user_id property: the user that published it, which RabbitMQ checks against
     # the publishing connection's user (a relay sets its own).
     user_id: str | None = None
+    # The AMQP timestamp property, in UTC: a relay sets the outbox row's created_at (whole
+    # seconds). The inbox's metrics tell an applied event's age from it.
+    timestamp: datetime | None = None
 
     @property
     def ordering_key(self) -> str | None:
@@ -115,7 +123,8 @@ class InboxMessage:
         return cls(message_id=_message_id(properties.message_id), body=bytes(body),
                    headers=dict(properties.headers or {}), routing_key=method.routing_key or "",
                    exchange=method.exchange or "", content_type=properties.content_type,
-                   redelivered=bool(method.redelivered), user_id=properties.user_id)
+                   redelivered=bool(method.redelivered), user_id=properties.user_id,
+                   timestamp=_timestamp(properties.timestamp))
 
     @classmethod
     def from_aio_pika(cls, message: AbstractIncomingMessage) -> InboxMessage:
@@ -123,7 +132,21 @@ class InboxMessage:
         return cls(message_id=_message_id(message.message_id), body=bytes(message.body),
                    headers=dict(message.headers or {}), routing_key=message.routing_key or "",
                    exchange=message.exchange or "", content_type=message.content_type,
-                   redelivered=bool(message.redelivered), user_id=message.user_id)
+                   redelivered=bool(message.redelivered), user_id=message.user_id,
+                   timestamp=_timestamp(message.timestamp))
+
+
+def _timestamp(value: object) -> datetime | None:
+    """An AMQP timestamp as pika (epoch seconds) or aio-pika (a datetime) gives it, in UTC; None
+    when absent or not a date."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            return None
+    return None
 
 
 def _relay_users(users: Iterable[str] | None, check_order: bool) -> frozenset[str]:
@@ -207,19 +230,31 @@ class Inbox:
     ``retries``: runs of a transaction that PostgreSQL aborted with a serialization failure or
     a deadlock (the handler runs again each time; nothing of an aborted run is stored).
 
-    Counters, since the inbox was made (the inbox has no metrics of its own: export them from
-    your service): ``stale_skipped``, the events ``record`` found STALE (each also logged, action
-    inbox_event_stale: its effect was never applied), and ``untrusted_order``. A transaction run
-    again (``retries``) counts again.
+    ``metrics``: an ``outbox_relay.inbox_metrics.InboxMetrics`` (prometheus-client's, opt-in):
+    messages by outcome, the handler's duration and an applied event's age, labelled with
+    ``consumer``, counted by ``process``, ``process_async`` and the helpers.
+    Counters, since the inbox was made: ``stale_skipped``, the events ``record`` found STALE
+    (each also logged, action inbox_event_stale: its effect was never applied), and
+    ``untrusted_order``. A transaction run again (``retries``) counts again.
+
+    The pika and aio-pika helpers run each message in an OpenTelemetry span (outbox_relay.
+    tracing) when the service uses OpenTelemetry: its parent is the producer's span, carried by
+    the message's traceparent header.
     """
 
     def __init__(self, table: str = "inbox", *, consumer: str = "default",
                  check_order: bool = False, relay_users: Iterable[str] | None = None,
-                 retries: int = 3) -> None:
+                 retries: int = 3, metrics: InboxMetrics | None = None) -> None:
         if not isinstance(consumer, str) or not consumer:
             raise ConfigError("consumer must be a non-empty str")
         if retries < 1:
             raise ConfigError("retries must be at least 1")
+        self._metrics: ConsumerMetrics | None = None
+        if metrics is not None:
+            if not hasattr(metrics, "for_consumer"):
+                raise ConfigError("metrics must be an outbox_relay.inbox_metrics.InboxMetrics, "
+                                  f"got {type(metrics).__name__}")
+            self._metrics = metrics.for_consumer(consumer)
         self.table = table
         self.consumer = consumer
         self.check_order = check_order
@@ -311,6 +346,8 @@ class Inbox:
 
     def _untrusted(self, message: InboxMessage) -> None:
         self._count("untrusted_order")
+        if self._metrics is not None:
+            self._metrics.untrusted_order.inc()
         log.warning(
             "inbox %s: order headers of message %r not trusted (user_id %r is none of "
             "relay_users): applied without the per-key check", self.consumer,
@@ -353,12 +390,30 @@ class Inbox:
         if conn.info.transaction_status != TransactionStatus.IDLE:
             raise InboxError("process() runs and commits its own transaction: call it on a "
                              "connection with no transaction open")
+        try:
+            outcome = self._process(conn, message, handler)
+        except Exception:
+            self._counted("failed")
+            raise
+        self._committed(outcome, message)
+        return outcome
+
+    def _process(self, conn: psycopg.Connection[Any], message: InboxMessage,
+                 handler: Handler) -> Outcome:
         for attempt in range(1, self.retries + 1):
             try:
                 with conn.transaction():
                     outcome = self.record(conn, message)
                     if outcome is Outcome.APPLIED:
-                        handler(conn, message)
+                        if self._metrics is None:
+                            handler(conn, message)
+                        else:
+                            started = time.perf_counter()
+                            try:
+                                handler(conn, message)
+                            finally:
+                                self._metrics.handler_duration.observe(
+                                    time.perf_counter() - started)
                 return outcome
             except _RETRYABLE:
                 if attempt == self.retries:
@@ -371,17 +426,51 @@ class Inbox:
         if conn.info.transaction_status != TransactionStatus.IDLE:
             raise InboxError("process_async() runs and commits its own transaction: call it on "
                              "a connection with no transaction open")
+        try:
+            outcome = await self._process_async(conn, message, handler)
+        except Exception:
+            self._counted("failed")
+            raise
+        self._committed(outcome, message)
+        return outcome
+
+    async def _process_async(self, conn: psycopg.AsyncConnection[Any], message: InboxMessage,
+                             handler: AsyncHandler) -> Outcome:
         for attempt in range(1, self.retries + 1):
             try:
                 async with conn.transaction():
                     outcome = await self.record(conn, message)
                     if outcome is Outcome.APPLIED:
-                        await handler(conn, message)
+                        if self._metrics is None:
+                            await handler(conn, message)
+                        else:
+                            started = time.perf_counter()
+                            try:
+                                await handler(conn, message)
+                            finally:
+                                self._metrics.handler_duration.observe(
+                                    time.perf_counter() - started)
                 return outcome
             except _RETRYABLE:
                 if attempt == self.retries:
                     raise
         raise AssertionError("unreachable")
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _counted(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.outcomes[outcome].inc()
+
+    def _committed(self, outcome: Outcome, message: InboxMessage) -> None:
+        """``message``'s transaction committed with ``outcome``: count it, and an applied
+        event's age (now minus its AMQP timestamp)."""
+        if self._metrics is None:
+            return
+        self._metrics.outcomes[outcome.value].inc()
+        if outcome is Outcome.APPLIED and message.timestamp is not None:
+            age = time.time() - message.timestamp.timestamp()
+            self._metrics.event_age.observe(max(age, 0.0))
 
     # -- brokers: ack after the commit --------------------------------------------------------
 
@@ -397,25 +486,31 @@ class Inbox:
         """One delivery of a pika channel (consumed with auto_ack off): ``process`` it, then ack
         it; if the handler raised, nack it by ``on_error`` (Outcome None). A message without a
         message_id is rejected without requeue. If the database connection is lost, the
-        message is requeued and the error raised (out of ``start_consuming``): reconnect."""
+        message is requeued and the error raised (out of ``start_consuming``): reconnect.
+        With OpenTelemetry in use, all of it runs in the message's span (``_span``)."""
         tag = method.delivery_tag
         try:
             message = InboxMessage.from_pika(method, properties, body)
         except InboxError as exc:
+            self._counted("failed")
             self._log_failure(exc, None, False)
             channel.basic_nack(tag, requeue=False)
             return None
-        try:
-            outcome = self.process(conn, message, handler)
-        except Exception as exc:
-            if _connection_lost(conn):
-                channel.basic_nack(tag, requeue=True)
-                raise
-            requeue = self._requeue(on_error, message)
-            self._log_failure(exc, message, requeue)
-            channel.basic_nack(tag, requeue=requeue)
-            return None
-        channel.basic_ack(tag)
+        with self._span(message, tag) as span:
+            try:
+                outcome = self.process(conn, message, handler)
+            except Exception as exc:
+                if _connection_lost(conn):
+                    span.outcome("failed")  # the span records the exception raised
+                    channel.basic_nack(tag, requeue=True)
+                    raise
+                requeue = self._requeue(on_error, message)
+                span.failed(exc)
+                self._log_failure(exc, message, requeue)
+                channel.basic_nack(tag, requeue=requeue)
+                return None
+            span.outcome(outcome.value)
+            channel.basic_ack(tag)
         return outcome
 
     def pika_callback(self, conn: psycopg.Connection[Any], handler: Handler, *,
@@ -433,24 +528,29 @@ class Inbox:
                               on_error: OnError = OnError.REQUEUE_ONCE) -> Outcome | None:
         """``handle_pika`` for aio-pika (``async for message in queue.iterator()``, no_ack
         off): ``process_async``, then ack; the same error policy; a lost database connection
-        requeues the message and raises."""
+        requeues the message and raises. The same span."""
         try:
             inbox_message = InboxMessage.from_aio_pika(message)
         except InboxError as exc:
+            self._counted("failed")
             self._log_failure(exc, None, False)
             await message.nack(requeue=False)
             return None
-        try:
-            outcome = await self.process_async(conn, inbox_message, handler)
-        except Exception as exc:
-            if _connection_lost(conn):
-                await message.nack(requeue=True)
-                raise
-            requeue = self._requeue(on_error, inbox_message)
-            self._log_failure(exc, inbox_message, requeue)
-            await message.nack(requeue=requeue)
-            return None
-        await message.ack()
+        with self._span(inbox_message, message.delivery_tag) as span:
+            try:
+                outcome = await self.process_async(conn, inbox_message, handler)
+            except Exception as exc:
+                if _connection_lost(conn):
+                    span.outcome("failed")  # the span records the exception raised
+                    await message.nack(requeue=True)
+                    raise
+                requeue = self._requeue(on_error, inbox_message)
+                span.failed(exc)
+                self._log_failure(exc, inbox_message, requeue)
+                await message.nack(requeue=requeue)
+                return None
+            span.outcome(outcome.value)
+            await message.ack()
         return outcome
 
     def aio_pika_callback(self, conn: psycopg.AsyncConnection[Any], handler: AsyncHandler, *,
@@ -463,6 +563,16 @@ class Inbox:
             await self.handle_aio_pika(conn, message, handler, on_error=on_error)
 
         return on_message
+
+    def _span(self, message: InboxMessage,
+              delivery_tag: int | None) -> AbstractContextManager[tracing.ConsumerSpan]:
+        """The span a helper processes ``message`` in: a CONSUMER span whose parent is the
+        message's trace context, with the messaging attributes and the outcome (tracing.py);
+        nothing when the service does not use OpenTelemetry."""
+        return tracing.consuming(
+            consumer=self.consumer, message_id=message.message_id, exchange=message.exchange,
+            routing_key=message.routing_key, headers=message.headers,
+            body_size=len(message.body), delivery_tag=delivery_tag)
 
     def _log_failure(self, exc: Exception, message: InboxMessage | None, requeue: bool) -> None:
         log.warning(  # %r: a message id is a producer's text, escaped (no forged log lines)

@@ -34,14 +34,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import psycopg
 
-from outbox_relay import caller, schema
+from outbox_relay import caller, schema, tracing
 from outbox_relay.errors import ConfigError, InvalidEvent
 from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     DEFAULT_LEDGER_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
     available_at_problem,
     publish_problem,
+    trace_context_problem,
 )
 from outbox_relay.sql import api_queries
 from outbox_relay.tables import Tables, table_name
@@ -198,20 +201,31 @@ def _json(field: str, value: object, encoder: json.JSONEncoder) -> str:
     return text
 
 
-def _headers(value: object, encoder: json.JSONEncoder) -> tuple[dict[str, Any], str]:
-    """The headers as the relay will read them back from jsonb, and their JSON text."""
+def _headers(value: object, encoder: json.JSONEncoder,
+             trace: Mapping[str, str] | None) -> tuple[dict[str, Any], str]:
+    """The headers as the relay will read them back from jsonb, and their JSON text; with the
+    current span's ``trace`` context, unless they carry a trace context of their own."""
     if value is None:
-        return {}, "{}"
+        if trace is None:
+            return {}, "{}"
+        value = {}
     if not isinstance(value, Mapping):
         raise InvalidEvent("headers", f"must be a mapping, got {type(value).__name__}")
     for key in value:
         if not isinstance(key, str):
             raise InvalidEvent("headers", f"keys must be str, got {type(key).__name__}")
-    text = _json("headers", dict(value), encoder)
-    return json.loads(text), text
+    own_trace = TRACEPARENT_HEADER in value or TRACESTATE_HEADER in value
+    text = _json("headers", {**value, **trace} if trace and not own_trace else dict(value),
+                 encoder)
+    headers = json.loads(text)
+    if own_trace and (bad := trace_context_problem(headers)) is not None:
+        # The relay would publish the event without it: told here, where it was set.
+        raise InvalidEvent("headers", f"{bad.reason}; the relay would drop it")
+    return headers, text
 
 
-def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder) -> _Row:
+def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder,
+         trace: Mapping[str, str] | None) -> _Row:
     exchange = _text("exchange", event.exchange)
     routing_key = _text("routing_key", event.routing_key)
     given_id = event.message_id
@@ -236,7 +250,7 @@ def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder) -> _Ro
     else:
         payload = _json("payload", event.payload, encoder)
         body_size = len(payload.encode())
-    headers, headers_text = _headers(event.headers, encoder)
+    headers, headers_text = _headers(event.headers, encoder, trace)
     # The relay's checks with the relay's defaults for what the producer cannot see (the
     # broker's frame_max, OUTBOX_LEDGER_STREAM); created_at is now.
     found = publish_problem(
@@ -255,12 +269,14 @@ def _prepare(events: Iterable[Event], table: str, max_message_bytes: int,
              single: bool) -> tuple[caller.Statement, dict[str, list[Any]], list[str]]:
     statement = _statement(table)
     encoder = _encoder(json_default)
+    # The caller's span, if any: every event carries its context (tracing.py).
+    trace = tracing.trace_headers()
     rows: list[_Row] = []
     for index, event in enumerate(events):
         if not isinstance(event, Event):
             raise TypeError(f"event {index}: expected an outbox Event, got {type(event).__name__}")
         try:
-            rows.append(_row(event, max_message_bytes, encoder))
+            rows.append(_row(event, max_message_bytes, encoder, trace))
         except InvalidEvent as exc:
             if single:
                 raise
@@ -444,7 +460,9 @@ def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any
     ISO 8601, a Decimal or UUID as its string, an Enum as its value; ``json_default`` is
     called with anything else (a pydantic model, a dataclass) and returns a JSON-serializable
     stand-in. ``message_id``: the dedup key (a str, or a UUID written as its string), a new
-    UUID when None. ``headers``: a JSON object (encoded as the payload), sent as AMQP headers.
+    UUID when None. ``headers``: a JSON object (encoded as the payload), sent as AMQP headers;
+    inside an OpenTelemetry span, the span's context is added as ``traceparent`` and
+    ``tracestate`` unless ``headers`` has either (a malformed one raises InvalidEvent).
     ``available_at``: a timezone-aware datetime before which the relay does not publish it.
     ``max_message_bytes``: the relay's OUTBOX_MAX_MESSAGE_BYTES. Raises InvalidEvent (naming
     the field) for what the relay would dead-letter, NotInTransaction on a connection that

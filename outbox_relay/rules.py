@@ -56,6 +56,15 @@ RELAY_HEADERS = (ORDERING_KEY_HEADER, POSITION_HEADER)
 # the longest user_id a relay's connection can set (its user's name, unknown to a producer).
 LARGEST_POSITION = 2**63 - 1
 LONGEST_USER_ID = "u" * SHORTSTR_MAX
+# A trace context (W3C Trace Context), carried from the producer's span to the consumer's as
+# two headers of the event (the producer API writes them from the current OpenTelemetry span;
+# a producer in another language writes them itself). The relay publishes them as they are,
+# except a malformed one: that is removed from the message, which goes without it, and counted
+# (trace_context_problem, relay/messages.py). Never a dead letter: a trace is the producer's
+# observability, not its event.
+TRACEPARENT_HEADER = "traceparent"
+TRACESTATE_HEADER = "tracestate"
+TRACE_HEADERS = (TRACEPARENT_HEADER, TRACESTATE_HEADER)
 # The headers column as the claim returns it when a producer sets none (its default).
 EMPTY_HEADERS = "{}"
 # A header frame around its properties: frame type, channel and size, class, weight and body
@@ -110,6 +119,91 @@ def message_headers(headers: Any, ordering_key: str | None, position: int) -> An
     if ordering_key is None or not isinstance(headers, dict):
         return headers
     return {**headers, ORDERING_KEY_HEADER: ordering_key, POSITION_HEADER: position}
+
+
+# W3C Trace Context (https://www.w3.org/TR/trace-context/), as OpenTelemetry reads it. A
+# traceparent is version-traceid-parentid-flags in lowercase hex, neither id all zeros, version
+# ff invalid; a later version than 00 may add fields after a dash. A tracestate is a list of up
+# to 32 key=value members, separated by commas with optional blanks (an empty member allowed).
+# One regular expression each: to_message runs them on every row that carries the headers.
+_HEX_IDS = r"-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
+_TRACEPARENT = re.compile(rf"00{_HEX_IDS}|(?!00|ff)[0-9a-f]{{2}}{_HEX_IDS}(?:-[\x21-\x7e]*)?")
+_TRACESTATE_KEY = (r"(?:[a-z][_0-9a-z\-*/]{0,255}"
+                   r"|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})")
+# Neither a key nor a value holds "=": a tracestate has as many members as "=" signs.
+_TRACESTATE_MEMBER = (_TRACESTATE_KEY
+                      + r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
+# Written so that every text has one way to match at most (blanks before a member, or after
+# one; the key ends at "=", the value at its last non-blank, a member at ","): a failed match
+# costs time linear in the text, whatever a producer wrote (a pattern with two ways, such as
+# blanks, an optional member, blanks, took minutes on 8 KB of blanks and commas).
+_TRACESTATE = re.compile(rf"[ \t]*(?:{_TRACESTATE_MEMBER}[ \t]*)?"
+                         rf"(?:,[ \t]*(?:{_TRACESTATE_MEMBER}[ \t]*)?)*")
+TRACEPARENT_MAX = 512
+TRACESTATE_MAX = 8192
+TRACESTATE_MEMBERS_MAX = 32
+# Empty members are allowed, but not thousands of them: a match's time grows with the commas.
+TRACESTATE_COMMAS_MAX = 2 * TRACESTATE_MEMBERS_MAX
+
+
+def _traceparent_problem(value: Any) -> str | None:
+    if type(value) is str and len(value) <= TRACEPARENT_MAX and _TRACEPARENT.fullmatch(value):
+        return None
+    # Malformed: say how.
+    if not isinstance(value, str):
+        return f"is not a string but {type(value).__name__}"
+    if len(value) > TRACEPARENT_MAX:
+        return f"is longer than {TRACEPARENT_MAX} characters"
+    if re.fullmatch(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?:-.*)?", value) is None:
+        return "is not version-traceid-parentid-flags in lowercase hex"
+    if value[3:35] == "0" * 32 or value[36:52] == "0" * 16:
+        return "has an all-zero trace id or parent id"
+    return f"is not valid for version {value[:2]}"
+
+
+def _tracestate_problem(value: Any) -> str | None:
+    if type(value) is str and len(value) <= TRACESTATE_MAX \
+            and value.count("=") <= TRACESTATE_MEMBERS_MAX \
+            and value.count(",") < TRACESTATE_COMMAS_MAX and _TRACESTATE.fullmatch(value):
+        return None
+    # Malformed: say how.
+    if not isinstance(value, str):
+        return f"is not a string but {type(value).__name__}"
+    if len(value) > TRACESTATE_MAX:
+        return f"is longer than {TRACESTATE_MAX} characters"
+    if value.count(",") >= TRACESTATE_COMMAS_MAX:
+        return f"has {TRACESTATE_COMMAS_MAX} commas or more"
+    if _TRACESTATE.fullmatch(value) is None:
+        return "holds a member that is not key=value"
+    return f"has more than {TRACESTATE_MEMBERS_MAX} members"
+
+
+def trace_context_problem(headers: Mapping[str, Any]) -> Problem | None:
+    """Why a row's trace context headers cannot go out as they are, or None (also when it has
+    none): the header at fault as ``field`` (traceparent, or tracestate), and why. A malformed
+    traceparent takes the tracestate with it (W3C: a tracestate means nothing without its
+    traceparent), and so does a tracestate without a traceparent."""
+    if TRACEPARENT_HEADER in headers:
+        why = _traceparent_problem(headers[TRACEPARENT_HEADER])
+        if why is not None:
+            return Problem(TRACEPARENT_HEADER, f"header {TRACEPARENT_HEADER} {why} (W3C Trace "
+                                               "Context: 00-<32 hex>-<16 hex>-<2 hex>)")
+    elif TRACESTATE_HEADER in headers:
+        return Problem(TRACESTATE_HEADER, f"header {TRACESTATE_HEADER} comes without a "
+                                          f"{TRACEPARENT_HEADER}")
+    if TRACESTATE_HEADER in headers:
+        why = _tracestate_problem(headers[TRACESTATE_HEADER])
+        if why is not None:
+            return Problem(TRACESTATE_HEADER, f"header {TRACESTATE_HEADER} {why} (W3C Trace "
+                                              "Context)")
+    return None
+
+
+def without_trace_context(headers: dict[str, Any], problem: Problem) -> dict[str, Any]:
+    """``headers`` without what ``problem`` (trace_context_problem's) finds malformed: the
+    tracestate, or both trace headers when the traceparent is at fault."""
+    dropped = TRACE_HEADERS if problem.field == TRACEPARENT_HEADER else (TRACESTATE_HEADER,)
+    return {name: value for name, value in headers.items() if name not in dropped}
 
 
 def _depth_over(value: Any, limit: int) -> bool:

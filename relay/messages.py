@@ -14,11 +14,13 @@ from typing import Any
 from pika.spec import BasicProperties
 
 from outbox_relay import properties
-from outbox_relay.model import Message, OutboxRow, Unpublishable
+from outbox_relay.model import Message, OutboxRow, TracedMessage, Unpublishable
 from outbox_relay.rules import (
     DEFAULT_FRAME_MAX,
     EMPTY_HEADERS,
     HEADERS_TEXT_MEASURED_ABOVE,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
     amqp_value,
     decode_headers,
     default_content_type,
@@ -29,6 +31,8 @@ from outbox_relay.rules import (
     property_fields,
     relay_headers_problem,
     short_reason,
+    trace_context_problem,
+    without_trace_context,
 )
 
 # Every property pika's BasicProperties.__init__ sets, at its default (None).
@@ -87,9 +91,11 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
 
     ``user_id``: the user of the relay's broker connection, set as the message's user_id
     property; RabbitMQ refuses any other, so a consumer can tell a relay's message (and its
-    order headers) from another publisher's. Never raises for a row's content: a row is
-    decoded and checked here, on its own.
+    order headers) from another publisher's. A malformed trace context (header traceparent or
+    tracestate) is left out of the message, which says so (a TracedMessage). Never
+    raises for a row's content: a row is decoded and checked here, on its own.
     """
+    traced = False
     try:
         flat = row.headers == EMPTY_HEADERS
         if flat:  # the column's default, most rows: nothing to decode, only the relay's headers
@@ -107,6 +113,12 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
             forged = relay_headers_problem(headers)
             if forged is not None:
                 return Unpublishable(forged.reason)
+            # A malformed trace context is left out, never a reason to dead-letter a row.
+            if type(headers) is dict and (TRACEPARENT_HEADER in headers
+                                          or TRACESTATE_HEADER in headers):
+                traced, bad_trace = True, trace_context_problem(headers)
+                if bad_trace is not None:
+                    headers = without_trace_context(headers, bad_trace)
         headers = message_headers(headers, row.ordering_key, row.id)
         content_type = row.content_type or default_content_type(row.is_json)
         found = field_problem(
@@ -123,5 +135,10 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
         return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {short_reason(exc)}")
     if found is not None:
         return Unpublishable(found.reason)
+    if traced:
+        return TracedMessage(row.id, row.message_id, row.exchange, row.routing_key, row.body,
+                             _properties(fields, wire), row.ordering_key,
+                             headers.get(TRACEPARENT_HEADER),
+                             None if bad_trace is None else bad_trace.field)
     return Message(row.id, row.message_id, row.exchange, row.routing_key, row.body,
                    _properties(fields, wire), row.ordering_key)

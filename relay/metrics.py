@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from outbox_relay.model import BatchOutcome, DeadLetterReason, Reason
+from outbox_relay.rules import TRACE_HEADERS
 from outbox_relay.runtime.metrics import SERVERS, standard_collectors, version
 
 # Why rows of a rolled-back batch failed (each such row got an attempt): the broker refused it
@@ -104,6 +105,12 @@ class RelayMetrics:
             "outbox_relay_standby_wait_timeouts_total",
             "Batches rolled back, nothing published, because the standby did not flush their "
             "claim within OUTBOX_STANDBY_WAIT_TIMEOUT", registry=r)
+        self.trace_context_dropped = Counter(
+            "outbox_relay_trace_context_dropped_total",
+            "Events published without the trace context their row carried, by header: a "
+            "malformed traceparent (its tracestate goes with it) or tracestate (or one without "
+            "a traceparent), left out of the message; the event itself is published",
+            ["header"], registry=r)
         self.last_loop = Gauge(
             "outbox_relay_last_loop_timestamp_seconds", "When the relay loop last turned",
             registry=r)
@@ -115,6 +122,8 @@ class RelayMetrics:
             self.batches.labels(outcome)
         for dead_reason in DEAD_LETTER_REASONS:
             self.dead_lettered.labels(dead_reason)
+        for header in TRACE_HEADERS:
+            self.trace_context_dropped.labels(header)
         for server in SERVERS:
             self.reconnects.labels(server)
             self.connected.labels(server)

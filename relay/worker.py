@@ -10,7 +10,7 @@ from typing import Protocol
 
 import tenacity
 
-from outbox_relay import ledger
+from outbox_relay import ledger, tracing
 from outbox_relay.errors import (
     BatchFailed,
     ConnectionLost,
@@ -30,6 +30,7 @@ from outbox_relay.model import (
     PublishResult,
     Reason,
     Server,
+    TracedMessage,
     Unpublishable,
 )
 from outbox_relay.relay.messages import to_message
@@ -270,7 +271,7 @@ class Relay(Loop):
 
         # 3. Publish every message, persistent + mandatory, all confirms in flight at once;
         # claim the next batch (step 1 only) while the broker works.
-        result, sent = self._publish(messages)
+        result, sent = self._publish(messages, gid)
         result.failed.update(failed_early)  # so the batch is not complete
         committed = False
         if result.complete(len(messages)):
@@ -296,6 +297,7 @@ class Relay(Loop):
             self._lost_streak = 0
             if self._finish(gid, commit=True, size=len(rows)):
                 self.metrics.events_published.inc(len(messages))
+                self._count_trace_dropped(messages)
                 self._log_dead_lettered(invalid, gid=gid)
             self.fault("after_commit")
         else:
@@ -311,12 +313,20 @@ class Relay(Loop):
             raise claim_error  # this batch is finished; the loop now resets the claim session
         return len(rows)
 
-    def _publish(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
+    def _publish(self, messages: list[Message], gid: str) -> tuple[PublishResult, list[int]]:
+        """Step 3, in the batch's publish span when the relay runs with OpenTelemetry
+        (outbox_relay.tracing.publishing; nothing otherwise). Returns what the broker said, and
+        the rows sent."""
+        with tracing.publishing(messages, gid=gid) as span:
+            result, sent = self._publish_waves(messages)
+            span.result(result, len(sent))
+        return result, sent
+
+    def _publish_waves(self, messages: list[Message]) -> tuple[PublishResult, list[int]]:
         """Step 3 in waves (relay/waves.py): a wave goes out once the last one is confirmed.
         A key whose message the broker refused (returned, nacked) sends nothing more; the
         other keys go on. After a closed channel or a lost connection nothing more is sent. The
-        next batch is claimed during the first wave. Returns what the broker said, and the rows
-        sent."""
+        next batch is claimed during the first wave."""
         result = PublishResult()
         sent: list[int] = []
         stopped: set[str] = set()  # keys with an unconfirmed message: their rest waits
@@ -354,6 +364,13 @@ class Relay(Loop):
         if failed_early:
             self._settle(PublishResult(failed=dict(failed_early)), gid=None, published=[],
                          message_ids={row.id: row.message_id for row in rows})
+
+    def _count_trace_dropped(self, messages: list[Message]) -> None:
+        """Messages of a committed batch published without their row's malformed trace
+        context (relay/messages.py)."""
+        for message in messages:
+            if type(message) is TracedMessage and message.trace_dropped is not None:
+                self.metrics.trace_context_dropped.labels(message.trace_dropped).inc()
 
     def _log_dead_lettered(self, rows: list[tuple[OutboxRow, str]], *,
                            gid: str | None = None) -> None:

@@ -8,7 +8,8 @@ next, and a change worth a few per cent shows only here.
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but two headers as large as a keyed message's written in the headers column, under the
   stand-in names of benchmarks.workload.KEY_HEADER_STAND_INS: a row may not set the relay's
-  own), in one Python process under callgrind, minus the same process building the rows only;
+  own; no key, and a producer's trace context, traceparent and tracestate, as the headers), in
+  one Python process under callgrind, minus the same process building the rows only;
 - claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
   session's backend only, minus a session that runs the claim once on the empty table (its
@@ -40,18 +41,27 @@ from outbox_relay.relay.store import claim_session
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
 
-SHAPES = ("none", "keys", "headers")
+SHAPES = ("none", "keys", "headers", "trace")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
                 "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True}
 _COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def _random_id(n: int, bits: int) -> int:
+    """A trace or span id as a tracer makes them (random-looking bits, not a count), the same
+    from run to run."""
+    return (n * 0x9E3779B97F4A7C15F39CC0605CEDC835 + 1) % (1 << bits) or 1
 
 
 def _row(n: int, shape: str, keys: int) -> OutboxRow:
     """A claimed row as the claim fetches it, about the benchmark's size."""
     key = f"k{n % keys}" if shape == "keys" else None
     key_name, position_name = KEY_HEADER_STAND_INS
-    headers = (json.dumps({key_name: f"k{n % keys}", position_name: n})
-               if shape == "headers" else "{}")
+    headers = (json.dumps({key_name: f"k{n % keys}", position_name: n}) if shape == "headers"
+               else json.dumps({"traceparent": f"00-{_random_id(n, 128):032x}-"
+                                               f"{_random_id(n, 64):016x}-01",
+                                "tracestate": "vendor=opaque-value"}) if shape == "trace"
+               else "{}")
     return OutboxRow(id=n, message_id=f"bench-{n}", exchange="bench.events",
                      routing_key="bench.0", ordering_key=key,
                      body=b'{"key": "k1", "pad": "' + b"x" * 210 + b'", "seq": 12345}',

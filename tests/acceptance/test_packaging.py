@@ -105,11 +105,15 @@ def test_the_wheel_holds_the_api_its_sql_its_types_and_its_licence(wheel: zipfil
     assert meta["Version"] == __version__
     assert meta["License-Expression"] == "Apache-2.0"
     # A user's extras only: the developers' test and bench sets are dependency groups.
-    assert set(meta.get_all("Provides-Extra") or []) == {"binary", "sqlalchemy", "aio-pika"}
+    assert set(meta.get_all("Provides-Extra") or []) == {"binary", "sqlalchemy", "aio-pika",
+                                                         "otel"}
     requires = meta.get_all("Requires-Dist") or []
-    # The integrations are extras only: a plain install brings neither.
+    # The integrations are extras only: a plain install brings none.
     plain = [r for r in requires if "extra ==" not in r]
-    assert not [r for r in plain if re.match(r"(?i)(sqlalchemy|aio-pika|django|pytest)\b", r)], plain
+    assert not [r for r in plain if re.match(
+        r"(?i)(sqlalchemy|aio-pika|django|pytest|opentelemetry)", r)], plain
+    [otel] = [r for r in requires if 'extra == "otel"' in r]
+    assert otel.startswith("opentelemetry-api"), otel  # the API only: the SDK is the service's
     # Plain psycopg, as psycopg asks of libraries; its binary build only through the extra.
     [psycopg] = [r for r in plain if re.match(r"psycopg\b", r)]
     assert re.match(r"psycopg *[<>=]", psycopg) and "[" not in psycopg, psycopg

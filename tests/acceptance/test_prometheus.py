@@ -14,11 +14,16 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, start_http_server
+from psycopg import sql
 
 from devenv import checker
 from devenv.servers import free_port
+from outbox_relay import Inbox
+from outbox_relay.inbox_metrics import InboxMetrics
 from outbox_relay.relay import metrics as relay_metrics
 from outbox_relay.resolver import metrics as resolver_metrics
 from outbox_relay.runtime import metrics
@@ -104,10 +109,32 @@ def query(port: int, expr: str) -> list[object]:
     return list(body["data"]["result"])
 
 
+def consume(env: Env, inbox: Inbox, count: int) -> None:
+    """A consuming service's inbox applies ``count`` messages of the test's queue."""
+    with psycopg.connect(env.db_url, autocommit=True) as db:
+        conn, channel = env.amqp_channel()
+        try:
+            deliveries = channel.consume(env.queue, inactivity_timeout=30)
+            for done, (method, properties, body) in enumerate(deliveries, 1):
+                assert method is not None, f"only {done - 1} of {count} messages arrived"
+                inbox.handle_pika(db, channel, method, properties, body, lambda _c, _m: None)
+                if done == count:
+                    break
+        finally:
+            conn.close()
+
+
 def test_prometheus_scrapes_every_metric_and_dashboard_query(env: Env, tmp_path: Path) -> None:
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus not found: install Debian's prometheus package (./dev does)"
     relay_port, resolver_port, prom_port = free_port(), free_port(), free_port()
+    # A consuming service: its inbox's metrics, served by prometheus-client's own server.
+    inbox_port, inbox_registry = free_port(), CollectorRegistry()
+    inbox = Inbox(f"inbox_{env.gid_prefix}", consumer="billing",
+                  metrics=InboxMetrics(inbox_registry))
+    with env.connect() as conn:
+        inbox.migrate(conn)
+    inbox_server, _ = start_http_server(inbox_port, addr="127.0.0.1", registry=inbox_registry)
     with env.connect() as conn:
         checker.insert_events(conn, env.table, 200, exchange=env.exchange,
                               routing_key=env.routing_key)
@@ -126,15 +153,18 @@ def test_prometheus_scrapes_every_metric_and_dashboard_query(env: Env, tmp_path:
                   f"      - targets: ['127.0.0.1:{port}']\n"
                   f"        labels: {{namespace: shop}}\n"
                   for job, port in (("orders", relay_port),
-                                    ("orders-outbox-resolver", resolver_port))))
+                                    ("orders-outbox-resolver", resolver_port),
+                                    ("billing", inbox_port))))
     server = subprocess.Popen(
         [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"))
     try:
         wait_until(lambda: outbox_count(env) == 0, 60, "the relay to publish")
+        consume(env, inbox, 200)
         names = [described.name for registry in (relay_metrics.RelayMetrics().registry,
-                                                 resolver_metrics.ResolverMetrics().registry)
+                                                 resolver_metrics.ResolverMetrics().registry,
+                                                 inbox_registry)
                  for described in metrics.describe(registry)]
         # A histogram's series are NAME_bucket, NAME_count and NAME_sum.
         queries = dashboard_queries() + [f'{{__name__=~"{n}|{n}_count"}}' for n in names]
@@ -158,6 +188,10 @@ def test_prometheus_scrapes_every_metric_and_dashboard_query(env: Env, tmp_path:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
+        inbox_server.shutdown()
+        with env.connect() as conn:
+            conn.execute(sql.SQL("DROP TABLE {}, {}").format(
+                sql.Identifier(inbox.table), sql.Identifier(f"{inbox.table}_keys")))
         for proc in (relay, resolver):
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(30) == 0, log_of(proc)

@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from outbox_relay.inbox_metrics import InboxMetrics
 from outbox_relay.relay import cli as relay_cli
 from outbox_relay.relay import metrics as relay_metrics
 from outbox_relay.relay import settings as relay_settings
@@ -448,9 +450,12 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-relay.json"
 
 
 def declared_metrics() -> set[str]:
-    """The metrics both programs declare (docs/operations.md's table is generated from these)."""
+    """The metrics both programs declare, and the inbox's (a consuming service's):
+    docs/operations.md's table is generated from these."""
+    inbox = CollectorRegistry()
+    InboxMetrics(inbox)
     return {described.name for registry in (relay_metrics.RelayMetrics().registry,
-                                            resolver_metrics.ResolverMetrics().registry)
+                                            resolver_metrics.ResolverMetrics().registry, inbox)
             for described in metrics.describe(registry)}
 
 
@@ -473,7 +478,10 @@ def test_dashboard_is_built_on_the_declared_metrics_only() -> None:
                  "outbox_relay_reconnects_total", "outbox_prepared_transactions",
                  "outbox_prepared_oldest_age_seconds", "outbox_resolver_decisions_total",
                  "outbox_prepared_holding_vacuum_age_seconds",
-                 "outbox_xmin_horizon_age_transactions"):
+                 "outbox_xmin_horizon_age_transactions",
+                 # the consumers' side (issue 35)
+                 "outbox_inbox_event_age_seconds", "outbox_inbox_messages_total",
+                 "outbox_inbox_handler_duration_seconds"):
         assert name in used, name
 
 
@@ -517,6 +525,7 @@ def _alert_levels() -> dict[str, float]:
     ("Oldest prepared transaction", "OutboxPreparedTransactionInDoubt"),
     ("Oldest transaction of another session", "OutboxVacuumHeldBySession"),
     ("Since last resolver scan", "OutboxResolverNotRunning"),
+    ("Inbox: event age when applied p50 / p99", "OutboxEventAgeHigh"),
 ])
 def test_dashboard_thresholds_are_the_alert_levels(title: str, alert: str) -> None:
     panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text("utf-8"))["panels"]}

@@ -16,7 +16,8 @@ from tests.conftest import ROOT
 # the programs run on, the broker client, and the optional integrations.
 NOT_FOR_SERVICES = ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
                     "outbox_relay.rabbitmq", "outbox_relay.pika_private", "pika", "tenacity",
-                    "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic")
+                    "prometheus_client", "sqlalchemy", "aio_pika", "django", "alembic",
+                    "opentelemetry", "outbox_relay.inbox_metrics")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -90,3 +91,58 @@ def test_each_program_loads_the_other_not(program: str) -> None:
     modules = loaded_after(f"import {program}")
     assert of(modules, (other,)) == []
     assert of(modules, ("relay", "resolver", "sql")) == []
+
+
+# A consumer's inbox at work through its pika helper, on stand-ins for the connection and
+# the channel (the SQL is not what is looked at here).
+INBOX_AT_WORK = (
+    "from types import SimpleNamespace as NS; from contextlib import nullcontext; "
+    "from psycopg.pq import TransactionStatus; from outbox_relay import Inbox, Outcome; "
+    "inbox = Inbox('inbox', consumer='billing'); inbox.record = lambda c, m: Outcome.APPLIED; "
+    "conn = NS(closed=False, broken=False, transaction=nullcontext, "
+    "info=NS(transaction_status=TransactionStatus.IDLE)); "
+    "channel = NS(basic_ack=lambda tag: None, basic_nack=lambda tag, requeue: None); "
+    "props = NS(message_id='m', headers={'traceparent': "
+    "'00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'}, content_type=None, "
+    "user_id=None, timestamp=1700000000); "
+    "method = NS(delivery_tag=1, routing_key='r', exchange='e', redelivered=False); "
+    "assert inbox.handle_pika(conn, channel, method, props, b'{}', lambda c, m: None) "
+    "is Outcome.APPLIED")
+
+
+@pytest.mark.parametrize("statement", [RECORDING, INBOX_AT_WORK])
+def test_opentelemetry_installed_but_unused_is_not_loaded(statement: str) -> None:
+    """The extra otel installed, in a service that does not use OpenTelemetry: producing and
+    consuming load none of it (outbox_relay.tracing asks sys.modules first)."""
+    assert of(loaded_after(f"import outbox_relay; {statement}"), ("opentelemetry",)) == []
+
+
+@pytest.mark.parametrize("statement", [RECORDING, INBOX_AT_WORK])
+def test_the_library_works_without_opentelemetry(statement: str) -> None:
+    """The extra otel absent (importing opentelemetry fails): producing and consuming work."""
+    modules = loaded_after("sys.modules['opentelemetry'] = None; import outbox_relay; "
+                           + statement)
+    assert "outbox_relay.tracing" in modules  # the glue itself is always there, and harmless
+
+
+def test_inbox_metrics_load_prometheus_client_only_when_asked() -> None:
+    modules = loaded_after("import outbox_relay; from outbox_relay.inbox_metrics import "
+                           "InboxMetrics; outbox_relay.Inbox(consumer='b', metrics=InboxMetrics())")
+    assert "prometheus_client" in modules
+    assert of(modules, ("outbox_relay.relay", "outbox_relay.resolver", "outbox_relay.runtime",
+                        "pika", "opentelemetry")) == []
+
+
+def test_a_service_using_opentelemetry_gets_the_trace_context_loaded() -> None:
+    """The other side of the rule: with a span active, enqueue loads OpenTelemetry's API (the
+    propagator), no SDK."""
+    modules = loaded_after(
+        "from opentelemetry import trace; from opentelemetry.trace import NonRecordingSpan, "
+        "SpanContext; from outbox_relay.testing import RecordingOutbox; "
+        "from outbox_relay import enqueue; o = RecordingOutbox(); "
+        "span = NonRecordingSpan(SpanContext(1, 2, is_remote=False)); "
+        "ctx = trace.use_span(span); ctx.__enter__(); "
+        "enqueue(o, exchange='e', routing_key='r', payload=1); o.commit(); "
+        "assert o.events[0].headers['traceparent'].startswith('00-'), o.events[0].headers")
+    assert "opentelemetry.trace.propagation.tracecontext" in modules
+    assert of(modules, ("opentelemetry.sdk",)) == []

@@ -493,24 +493,30 @@ SELECT key, current_database() FROM {ledger_key} WHERE singleton;
 -- Who else can read the ledger key (ledger_key: the table's quoted name), checked once at
 -- start: whoever reads it can sign ledger records that make the resolver commit a batch whose
 -- messages were never published. LOGIN roles that can SELECT it themselves, by an inherited
--- membership, through PUBLIC or pg_read_all_data (has_table_privilege), or by SET ROLE to a
--- role it is granted to, or to its owner (pg_has_role MEMBER on each grantee of its ACL).
+-- membership, through PUBLIC or pg_read_all_data, on the table or on its key column
+-- (has_column_privilege counts both), or by SET ROLE to a role it is granted to, or to its
+-- owner (pg_has_role MEMBER on each grantee of the table's or the key column's ACL).
 -- Left out: this session's role (the relays' and the resolver's), superusers (they read
 -- everything), and the table's owner (it can grant itself SELECT at any time: the migrate
 -- role of sql/roles.sql, an administrator's). public: whether PUBLIC itself holds SELECT.
--- One has_table_privilege per LOGIN role, once per process.
+-- One has_column_privilege per LOGIN role, once per process.
 WITH key AS (
     SELECT c.oid, c.relowner,
            coalesce(c.relacl, acldefault('r', c.relowner)) AS acl
     FROM pg_class c WHERE c.oid = to_regclass(%(ledger_key)s)
 ), grantees AS (
     SELECT a.grantee FROM key, aclexplode(key.acl) a WHERE a.privilege_type = 'SELECT'
+    UNION
+    SELECT a.grantee
+    FROM key JOIN pg_attribute att ON att.attrelid = key.oid AND att.attname = 'key',
+         aclexplode(att.attacl) a
+    WHERE a.privilege_type = 'SELECT'
 )
 SELECT coalesce((SELECT array_agg(r.rolname::text ORDER BY r.rolname)
                  FROM pg_roles r, key
                  WHERE r.rolcanlogin AND NOT r.rolsuper AND r.rolname <> current_user
                    AND r.oid <> key.relowner
-                   AND (has_table_privilege(r.oid, key.oid, 'SELECT')
+                   AND (has_column_privilege(r.oid, key.oid, 'key', 'SELECT')
                         OR EXISTS (SELECT FROM grantees g
                                    WHERE g.grantee <> 0
                                      AND pg_has_role(r.oid, g.grantee, 'MEMBER')))),
@@ -521,14 +527,14 @@ SELECT coalesce((SELECT array_agg(r.rolname::text ORDER BY r.rolname)
 -- This database's prepared transactions with our gid prefix (another database's are not ours:
 -- COMMIT PREPARED would fail there, and their gids need not even be valid in our encoding).
 -- The xid and database are what a batch's ledger record must name. owner_reads_key: whether
--- the preparing role may read the ledger key (ledger_key: its quoted name), as every
--- relay's role must; any role may PREPARE under a gid of our shape, and one that cannot read
+-- the preparing role may read the ledger key's key column (ledger_key: its quoted name), as
+-- every relay's role must (sql/roles.sql grants the columns, not the table); any role may PREPARE under a gid of our shape, and one that cannot read
 -- the key is no relay's (a role dropped since has no name here: false).
 SELECT p.gid, p.prepared, p.owner,
        extract(epoch FROM now() - p.prepared)::float8 AS age_seconds,
        p.transaction::text::bigint AS xid, p.database,
-       coalesce(has_table_privilege(r.oid, to_regclass(%(ledger_key)s), 'SELECT'), false)
-           AS owner_reads_key
+       coalesce(has_column_privilege(r.oid, to_regclass(%(ledger_key)s), 'key', 'SELECT'),
+                false) AS owner_reads_key
 FROM pg_prepared_xacts p LEFT JOIN pg_roles r ON r.rolname = p.owner
 WHERE p.database = current_database() AND starts_with(p.gid, %(prefix)s)
 ORDER BY p.prepared;

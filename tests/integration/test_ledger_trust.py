@@ -467,7 +467,7 @@ def test_a_record_signed_with_a_replaced_key_reads_as_another_key(tenv: Env) -> 
 def key_roles(tenv: Env) -> Iterator[dict[str, str]]:
     """Roles of the test's own: {name: role}; dropped afterwards."""
     names = {name: f"k{tenv.gid_prefix}_{name}" for name in
-             ("reader", "group", "member", "noinherit", "bystander", "owner")}
+             ("reader", "column", "group", "member", "noinherit", "bystander", "owner")}
     with tenv.connect() as conn:
         for name, role in names.items():
             options = {"group": "NOLOGIN", "noinherit": "LOGIN NOINHERIT"}.get(name, "LOGIN")
@@ -505,13 +505,14 @@ def test_no_warning_when_only_the_programs_role_reads_the_key(tenv: Env,
 @pytest.mark.parametrize("program", ["relay", "resolver"])
 def test_both_programs_name_every_other_role_that_can_read_the_key(
         tenv: Env, key_roles: dict[str, str], program: str) -> None:
-    """A grant, an inherited membership, a membership without INHERIT (SET ROLE), a member of
-    the table's owner; never this role, superusers or the owner itself; a role with nothing
-    stays out."""
+    """A grant, a grant of the key column only (as sql/roles.sql grants the relays' role), an
+    inherited membership, a membership without INHERIT (SET ROLE), a member of the table's
+    owner; never this role, superusers or the owner itself; a role with nothing stays out."""
     env, roles = tenv, key_roles
     key, ident = Tables(env.table).ledger_key, sql.Identifier
     with env.connect() as conn:
         conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["reader"])))
+        conn.execute(sql.SQL("GRANT SELECT (key) ON {} TO {}").format(key, ident(roles["column"])))
         conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(key, ident(roles["group"])))
         for member in ("member", "noinherit"):
             conn.execute(sql.SQL("GRANT {} TO {}").format(ident(roles["group"]),
@@ -520,7 +521,7 @@ def test_both_programs_name_every_other_role_that_can_read_the_key(
 
     (warning,) = key_warnings(env, program)
 
-    assert warning["roles"] == sorted(roles[n] for n in ("reader", "member", "noinherit"))
+    assert warning["roles"] == sorted(roles[n] for n in ("reader", "column", "member", "noinherit"))
     assert warning["public"] is False
     assert "can sign ledger records" in warning["message"]
 

@@ -173,7 +173,7 @@ def test_a_producers_look_alikes_never_run_in_the_programs(
         superuser = admin.execute("SELECT current_user::text").fetchone()[0]  # type: ignore[index]
         assert len(admin.execute(Tables(decoy).query("claim"), {
             "limit": 10, "max_bytes": 1 << 24, "max_message_bytes": 1 << 16,
-            "max_row_bytes": (1 << 16) + (1 << 20)}).fetchall()) == 10
+            "max_row_bytes": (1 << 16) + (1 << 20), "one_row_at_least": True}).fetchall()) == 10
         admin.execute(sql.SQL("DROP TABLE {}, {}, {}").format(
             Tables(decoy).outbox, Tables(decoy).dead_letter, Tables(decoy).ledger_key))
     assert {(who, what) for who, program, what in hits(env)} == {
@@ -203,14 +203,16 @@ def test_a_producers_look_alikes_never_run_in_the_programs(
 
     # The inbox runs on the service's own session, search_path untouched: its statements
     # call pg_catalog's functions by name.
-    inbox = Inbox(f"inbox_{env.gid_prefix}", consumer="c", check_order=True)
+    inbox = Inbox(f"inbox_{env.gid_prefix}", consumer="c", check_order=True,
+                  relay_users=["relay"])
     with env.connect() as admin:
         inbox.migrate(admin)
         for table in (inbox.table, f"{inbox.table}_keys"):
             admin.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
                 sql.Identifier(table), sql.Identifier(f"r{env.gid_prefix}_service")))
     with psycopg.connect(urls["service"], application_name="service") as service:
-        message = InboxMessage("m-1", b"{}", {"x-ordering-key": "k", "x-outbox-id": 1})
+        message = InboxMessage("m-1", b"{}", {"x-ordering-key": "k", "x-outbox-id": 1},
+                               user_id="relay")
         assert inbox.record(service, message).name == "APPLIED"
         service.commit()
         service.autocommit = True

@@ -3,7 +3,7 @@ the machine does. On a shared 2-core machine a rate moves by a third from one mi
 next, and a change worth a few per cent shows only here.
 
     python -m benchmarks.studies.instructions [--rows N] [--batch B] [--keys K] [--shuffled-keys]
-                                              [--out JSON]
+                                              [--shapes none,keys,...] [--out JSON]
 
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but two headers as large as a keyed message's written in the headers column, under the
@@ -90,10 +90,11 @@ def _callgrind_python(args: list[str]) -> int:
     return int(found.group(1))
 
 
-def build(rows: int, keys: int) -> dict[str, int]:
-    """Instructions per row of to_message, by shape."""
+def build(rows: int, keys: int, shapes: tuple[str, ...] = SHAPES) -> dict[str, int]:
+    """Instructions per row of to_message, by shape (two Python processes under callgrind
+    each: most of the run's minutes)."""
     per_row = {}
-    for shape in SHAPES:
+    for shape in shapes:
         args = ["--child-build", shape, "--rows", str(rows), "--keys", str(keys)]
         total = _callgrind_python(args)
         rows_only = _callgrind_python([*args, "--rows-only"])
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=10_000, help="distinct ordering keys")
     parser.add_argument("--shuffled-keys", action="store_true",
                         help="row n's key is hash(n) mod K, at random distances (else n mod K)")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help=f"row shapes whose build is counted, comma-separated ({', '.join(SHAPES)})")
     parser.add_argument("--out", type=Path, default=Path("results/instructions.json"))
     parser.add_argument("--child-build", choices=SHAPES, help=argparse.SUPPRESS)
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
@@ -167,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rows < args.batch or args.keys < 1:
         parser.error("--rows must be at least --batch, and --keys at least 1")
+    shapes = tuple(args.shapes.split(","))
+    if not shapes or not set(shapes) <= set(SHAPES):
+        parser.error(f"--shapes: a comma-separated list of {', '.join(SHAPES)}")
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.studies.instructions",
                              *(argv or sys.argv[1:])]),
         "rows": args.rows, "batch": args.batch, "keys": args.keys,
         "shuffled_keys": args.shuffled_keys,
-        "build": build(min(args.rows, 2_000), args.keys),
+        "build": build(min(args.rows, 2_000), args.keys, shapes),
         "claim": claim(args.rows, args.batch, args.keys, args.shuffled_keys)}
     write_results(args.out, results)
     return 0

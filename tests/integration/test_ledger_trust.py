@@ -304,8 +304,8 @@ def test_ledger_deleted_while_relays_run_is_declared_again(tenv: Env, deleted: s
 
 
 def test_resolver_reads_a_long_ledger_on_progress_not_elapsed_time(tenv: Env) -> None:
-    """300,000 records behind the in-doubt batch's record take longer to read than the read
-    timeout (1 s): the read goes on while records keep coming, and the batch is committed."""
+    """100,000 records behind the in-doubt batch's record take longer to read than the read
+    timeout (0.2 s): the read goes on while records keep coming, and the batch is committed."""
     env = tenv
     with env.connect() as conn:
         produced = checker.insert_events(conn, env.table, 40, exchange=env.exchange,
@@ -315,13 +315,13 @@ def test_resolver_reads_a_long_ledger_on_progress_not_elapsed_time(tenv: Env) ->
     (gid,) = in_doubt(env)
     conn, channel = env.amqp_channel()
     filler = json.dumps({"type": "batch", "gid": "other:00000000:1", "pad": "x" * 40}).encode()
-    for n in range(300_000):
+    for n in range(100_000):
         channel.basic_publish(env.ledger_stream, env.ledger_stream, filler)
         if n % 5000 == 0:
             conn.process_data_events(time_limit=0)
     conn.close()
 
-    code, lines = resolve_once(env, OUTBOX_LEDGER_READ_TIMEOUT="1")
+    code, lines = resolve_once(env, OUTBOX_LEDGER_READ_TIMEOUT="0.2")
 
     assert code == 0, lines
     assert [line["gid"] for line in actions(lines, "resolved_committed")] == [gid]

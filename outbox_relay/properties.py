@@ -25,8 +25,10 @@ from typing import Any
 FLAG_CONTENT_TYPE = 1 << 15
 FLAG_HEADERS = 1 << 13
 FLAG_DELIVERY_MODE = 1 << 12
+FLAG_CORRELATION_ID = 1 << 10
 FLAG_MESSAGE_ID = 1 << 7
 FLAG_TIMESTAMP = 1 << 6
+FLAG_TYPE = 1 << 5
 FLAG_USER_ID = 1 << 4
 
 _FLAGS = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTAMP
@@ -94,14 +96,18 @@ def _table(headers: Mapping[str, Any]) -> bytes | None:
 
 def wire(*, delivery_mode: int, message_id: str, content_type: str,
          headers: Mapping[str, Any] | None, timestamp: int,
-         user_id: str | None = None) -> bytes | None:
+         user_id: str | None = None, type: str | None = None,  # pika's name (shadows the builtin here only)
+         correlation_id: str | None = None) -> bytes | None:
     """The property bytes pika writes for these fields, or None when this does not encode them
     (a header table of another shape, a text over 255 bytes or not encodable, a timestamp out
     of range, a transient message): pika's encoder then decides. The properties go in the
-    order of their flag bits: content type, headers, delivery mode, message id, timestamp,
-    user id."""
+    order of their flag bits: content type, headers, delivery mode, correlation id, message
+    id, timestamp, type, user id."""
     if delivery_mode != _PERSISTENT:
         return None
+    if type is not None or correlation_id is not None:
+        return _wire_with_ids(message_id, content_type, headers, timestamp, user_id, type,
+                              correlation_id)
     try:
         parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
                  b"" if user_id is None else _USERS.get(user_id) or _user(user_id))
@@ -114,3 +120,26 @@ def wire(*, delivery_mode: int, message_id: str, content_type: str,
     flags = _FLAG_BYTES[(2 if headers else 0) + (user_id is not None)]
     return b"".join((flags, content, table, _PERSISTENT_BYTE, ident, _TIMESTAMP.pack(timestamp),
                      user))
+
+
+def _wire_with_ids(message_id: str, content_type: str, headers: Mapping[str, Any] | None,
+                   timestamp: int, user_id: str | None, message_type: str | None,
+                   correlation_id: str | None) -> bytes | None:
+    """wire() of a message that sets the type or correlation_id property (a producer's own,
+    per row: neither cached)."""
+    try:
+        parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
+                 b"" if user_id is None else _USERS.get(user_id) or _user(user_id),
+                 b"" if correlation_id is None else _short(correlation_id),
+                 b"" if message_type is None else _short(message_type))
+    except UnicodeEncodeError:
+        return None
+    content, table, ident, user, correlation, kind = parts
+    if content is None or table is None or ident is None or user is None \
+            or correlation is None or kind is None or not 0 <= timestamp < 1 << 64:
+        return None
+    flags = (_FLAGS | (FLAG_HEADERS if headers else 0) | (FLAG_USER_ID if user_id is not None else 0)
+             | (FLAG_CORRELATION_ID if correlation_id is not None else 0)
+             | (FLAG_TYPE if message_type is not None else 0))
+    return b"".join((struct.pack(">H", flags), content, table, _PERSISTENT_BYTE, correlation,
+                     ident, _TIMESTAMP.pack(timestamp), kind, user))

@@ -220,10 +220,11 @@ WITH live AS MATERIALIZED (
 ), moved AS (
     -- No RETURNING: the relays' role needs no SELECT on the dead-letter table for it.
     INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key,
-                               payload, payload_bytes, headers, content_type, message_type, correlation_id, created_at,
-                               attempts, last_error)
+                               payload, payload_bytes, headers, content_type, message_type,
+                               correlation_id, created_at, attempts, last_error)
     SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-           content_type, message_type, correlation_id, created_at, least(attempts, 2147483646) + 1, reason
+           content_type, message_type, correlation_id, created_at,
+           least(attempts, 2147483646) + 1, reason
     FROM oversized
 )
 SELECT id, message_id, exchange, routing_key, ordering_key,
@@ -245,11 +246,13 @@ FROM oversized;
 -- body goes back as the claim fetched it, bytes sent in binary (a JSON payload's UTF-8 text
 -- too): the relay makes no copy of it for this.
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, message_type, correlation_id, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
         CASE WHEN %(is_json)s THEN convert_from(%(body)s, 'UTF8')::jsonb END,
         CASE WHEN NOT %(is_json)s THEN %(body)s END, %(headers)s::jsonb, %(content_type)s,
-        %(message_type)s, %(correlation_id)s, %(created_at)s::timestamptz, least(%(attempts)s, 2147483646) + 1, %(error)s);
+        %(message_type)s, %(correlation_id)s, %(created_at)s::timestamptz,
+        least(%(attempts)s, 2147483646) + 1, %(error)s);
 
 -- name: forget_delivered
 -- After a failed batch was rolled back: rows the broker did confirm are delivered; remove them
@@ -288,9 +291,11 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, message_type, correlation_id, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-       content_type, message_type, correlation_id, created_at, attempts, coalesce(last_error, 'unknown error')
+       content_type, message_type, correlation_id, created_at, attempts,
+       coalesce(last_error, 'unknown error')
 FROM moved
 RETURNING outbox_id;
 
@@ -304,7 +309,8 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, message_type, correlation_id, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
        content_type, message_type, correlation_id, created_at, least(attempts, 2147483646) + 1,
        coalesce(%(errors)s::jsonb ->> id::text, 'unknown error')
@@ -363,8 +369,8 @@ WITH moved AS (
 ), stored AS (
     -- No RETURNING: the relays' role may read only outbox_id and ordering_key there.
     INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key,
-                               payload, payload_bytes, headers, content_type, message_type, correlation_id, created_at,
-                               attempts, last_error)
+                               payload, payload_bytes, headers, content_type, message_type,
+                               correlation_id, created_at, attempts, last_error)
     SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
            content_type, message_type, correlation_id, created_at, least(attempts, 2147483646) + 1,
            format('available_at %%L is never due (a date before the year 10000 is required)',
@@ -625,8 +631,8 @@ WITH old AS (
     WHERE d.id = %(id)s
 ), in_place AS (
     INSERT INTO {outbox} (id, message_id, exchange, routing_key, ordering_key, payload,
-                          payload_bytes, headers, content_type, message_type, correlation_id, created_at, attempts,
-                          available_at, last_error)
+                          payload_bytes, headers, content_type, message_type, correlation_id,
+                          created_at, attempts, available_at, last_error)
     OVERRIDING SYSTEM VALUE
     SELECT outbox_id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
            headers, content_type, message_type, correlation_id, created_at, 0, now(), NULL
@@ -636,7 +642,8 @@ WITH old AS (
     RETURNING id
 ), renumbered AS (
     INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
-                          headers, content_type, message_type, correlation_id, created_at, attempts, available_at, last_error)
+                          headers, content_type, message_type, correlation_id, created_at,
+                          attempts, available_at, last_error)
     SELECT message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
            content_type, message_type, correlation_id, created_at, 0, now(), NULL
     FROM old

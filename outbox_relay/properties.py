@@ -4,9 +4,10 @@ pika encodes properties field by field and a header table value by value through
 isinstance tests, in Python, for every message. Profiled on a relay publishing keyed events
 (the two headers the relay adds), that Header.marshal took about a seventh of the relay's CPU
 (the claim a fifth). Every message the relay builds sets content_type, delivery_mode,
-message_id and timestamp, and user_id when it knows its connection's user; most carry no other
-header than a flat table of strings and integers (the relay's own two, a producer's simple
-ones). For those, ``wire`` gives the bytes pika would
+message_id and timestamp, and user_id when it knows its connection's user (and type and
+correlation_id when the row sets them); most carry no other header than a flat table of
+strings and integers (the relay's own two, a producer's simple ones). For those, ``wire``
+gives the bytes pika would
 write (tests/unit/test_properties.py compares them over many shapes), which the relay hands to
 pika as they are (outbox_relay.relay.messages); for any other shape, or a value pika would
 refuse, it gives None and pika encodes the properties itself when they are published, as before.
@@ -35,6 +36,12 @@ _FLAGS = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTA
 # The two bytes of flags, by 2 * (headers present) + (user_id present).
 _FLAG_BYTES = tuple(struct.pack(">H", _FLAGS | (FLAG_HEADERS if shape & 2 else 0)
                                 | (FLAG_USER_ID if shape & 1 else 0)) for shape in range(4))
+# The same, by 8 * (headers present) + 4 * (user_id present) + 2 * (correlation_id present)
+# + (type present), for messages that set the type or correlation_id property.
+_ID_FLAG_BYTES = tuple(struct.pack(">H", _FLAGS | (FLAG_HEADERS if shape & 8 else 0)
+                                   | (FLAG_USER_ID if shape & 4 else 0)
+                                   | (FLAG_CORRELATION_ID if shape & 2 else 0)
+                                   | (FLAG_TYPE if shape & 1 else 0)) for shape in range(16))
 _INT32 = struct.Struct(">ci")
 _INT64 = struct.Struct(">cq")
 _LONG_STRING = struct.Struct(">cI")
@@ -128,18 +135,19 @@ def _wire_with_ids(message_id: str, content_type: str, headers: Mapping[str, Any
     """wire() of a message that sets the type or correlation_id property (a producer's own,
     per row: neither cached)."""
     try:
+        # A type names a kind of event: it repeats, and is cached as a content type is.
         parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
                  b"" if user_id is None else _USERS.get(user_id) or _user(user_id),
                  b"" if correlation_id is None else _short(correlation_id),
-                 b"" if message_type is None else _short(message_type))
+                 b"" if message_type is None else _name(message_type))
     except UnicodeEncodeError:
         return None
     content, table, ident, user, correlation, kind = parts
     if content is None or table is None or ident is None or user is None \
             or correlation is None or kind is None or not 0 <= timestamp < 1 << 64:
         return None
-    flags = (_FLAGS | (FLAG_HEADERS if headers else 0) | (FLAG_USER_ID if user_id is not None else 0)
-             | (FLAG_CORRELATION_ID if correlation_id is not None else 0)
-             | (FLAG_TYPE if message_type is not None else 0))
-    return b"".join((struct.pack(">H", flags), content, table, _PERSISTENT_BYTE, correlation,
-                     ident, _TIMESTAMP.pack(timestamp), kind, user))
+    flags = _ID_FLAG_BYTES[(8 if headers else 0) + (4 if user_id is not None else 0)
+                           + (2 if correlation_id is not None else 0)
+                           + (message_type is not None)]
+    return b"".join((flags, content, table, _PERSISTENT_BYTE, correlation, ident,
+                     _TIMESTAMP.pack(timestamp), kind, user))

@@ -20,8 +20,9 @@ def test_instructions_smoke(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     counted = json.loads(out.read_text())
-    assert set(counted["build"]) == {"none", "keys", "headers", "trace"}
+    assert set(counted["build"]) == {"none", "keys", "headers", "trace", "ids"}
     assert set(counted["claim"]) == {"none", "keys"} and counted["shuffled_keys"] is True
     # Counts, not timings: a keyed row is more work than a keyless one, in both places.
     assert 0 < counted["build"]["none"] < counted["build"]["keys"]
+    assert counted["build"]["none"] < counted["build"]["ids"]  # two properties more
     assert 0 < counted["claim"]["none"] < counted["claim"]["keys"]

@@ -7,10 +7,10 @@ isinstance tests, in Python, for every message. Profiled on a relay publishing k
 message_id and timestamp, and user_id when it knows its connection's user (and type and
 correlation_id when the row sets them); most carry no other header than a flat table of
 strings and integers (the relay's own two, a producer's simple ones). For those, ``wire``
-gives the bytes pika would
-write (tests/unit/test_properties.py compares them over many shapes), which the relay hands to
-pika as they are (outbox_relay.relay.messages); for any other shape, or a value pika would
-refuse, it gives None and pika encodes the properties itself when they are published, as before.
+gives the bytes pika would write (tests/unit/test_properties.py compares them over many
+shapes), which the relay hands to pika as they are (outbox_relay.relay.messages); for any
+other shape, or a value pika would refuse, it gives None and pika encodes the properties
+itself when they are published, as before.
 No pika here: the producer API measures the usual header tables with it too.
 """
 
@@ -132,10 +132,9 @@ def wire(*, delivery_mode: int, message_id: str, content_type: str,
 def _wire_with_ids(message_id: str, content_type: str, headers: Mapping[str, Any] | None,
                    timestamp: int, user_id: str | None, message_type: str | None,
                    correlation_id: str | None) -> bytes | None:
-    """wire() of a message that sets the type or correlation_id property (a producer's own,
-    per row: neither cached)."""
+    """wire() of a message that sets the type or correlation_id property (a row's own: the
+    correlation id is new in every message, the type is cached as a content type is)."""
     try:
-        # A type names a kind of event: it repeats, and is cached as a content type is.
         parts = (_name(content_type), _table(headers) if headers else b"", _short(message_id),
                  b"" if user_id is None else _USERS.get(user_id) or _user(user_id),
                  b"" if correlation_id is None else _short(correlation_id),

@@ -22,8 +22,8 @@ from typing import Any
 
 from outbox_relay import properties
 
-SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type,
-# type, correlation id
+# AMQP short strings: exchange, routing key, message id, content type, type, correlation id.
+SHORTSTR_MAX = 255
 # Deeper header tables are refused before anything recursive (JSON decoding, conversion,
 # pika's encoder) meets them: jsonb accepts nesting thousands of levels deep.
 HEADERS_DEPTH_MAX = 64

@@ -59,6 +59,9 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "forged_ledger_exchange": {"exchange": LEDGER, "routing_key": LEDGER, "payload": "FORGED"},
     "oversized_payload": {"payload_bytes": b"\x00" * (MAX_MESSAGE_BYTES + 1)},
     "long_routing_key": {"routing_key": "r" * 300},
+    # The AMQP type and correlation_id, which consumers route and match by.
+    "type_with_line_break": {"message_type": "order.paid\r\nX-Injected: 1"},
+    "long_correlation_id": {"correlation_id": "c" * 300},
 }
 
 

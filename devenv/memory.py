@@ -60,6 +60,9 @@ HOSTILE: dict[str, dict[str, str]] = {
     "routing-key-2mb": {"routing_key": "repeat('r', 2000000)"},
     "exchange-2mb": {"exchange": "repeat('e', 2000000)"},
     "content-type-2mb": {"content_type": "repeat('c', 2000000)"},
+    "message-type-2mb": {"message_type": "repeat('t', 2000000)"},
+    # Counted in row_bytes: over the limit by more than 1 MiB, moved by the claim, never fetched.
+    "correlation-id-10mib": {"correlation_id": "repeat('c', 10 * 1048576)"},
     "m" * 2000: {},  # a message_id of 2,000 characters
     "to-the-ledger": {"exchange": "''", "routing_key": "'outbox.ledger'"},
     # Over the limit by less than the 1 MiB the claim lets through: fetched, then dead-lettered.

@@ -99,6 +99,10 @@ class InboxMessage:
     # The AMQP timestamp property, in UTC: a relay sets the outbox row's created_at (whole
     # seconds). The inbox's metrics tell an applied event's age from it.
     timestamp: datetime | None = None
+    # The AMQP type and correlation_id properties: the event's own, when its producer set them
+    # (enqueue's message_type and correlation_id).
+    message_type: str | None = None
+    correlation_id: str | None = None
 
     @property
     def ordering_key(self) -> str | None:
@@ -124,7 +128,8 @@ class InboxMessage:
                    headers=dict(properties.headers or {}), routing_key=method.routing_key or "",
                    exchange=method.exchange or "", content_type=properties.content_type,
                    redelivered=bool(method.redelivered), user_id=properties.user_id,
-                   timestamp=_timestamp(properties.timestamp))
+                   timestamp=_timestamp(properties.timestamp), message_type=properties.type,
+                   correlation_id=properties.correlation_id)
 
     @classmethod
     def from_aio_pika(cls, message: AbstractIncomingMessage) -> InboxMessage:
@@ -133,7 +138,8 @@ class InboxMessage:
                    headers=dict(message.headers or {}), routing_key=message.routing_key or "",
                    exchange=message.exchange or "", content_type=message.content_type,
                    redelivered=bool(message.redelivered), user_id=message.user_id,
-                   timestamp=_timestamp(message.timestamp))
+                   timestamp=_timestamp(message.timestamp), message_type=message.type,
+                   correlation_id=message.correlation_id)
 
 
 def _timestamp(value: object) -> datetime | None:

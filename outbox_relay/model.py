@@ -98,6 +98,9 @@ class OutboxRow:
     # Set when the claim itself moved the row to the dead-letter table, too big to be fetched
     # (nothing but id, message_id and attempts is filled in then): the reason.
     dead_reason: str | None = None
+    # The AMQP type and correlation_id the producer set (None: the property is not set).
+    message_type: str | None = None
+    correlation_id: str | None = None
 
 
 @dataclass(frozen=True)

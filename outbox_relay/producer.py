@@ -139,6 +139,8 @@ class Event:
     headers: Mapping[str, Any] | None = None
     content_type: str | None = None
     available_at: datetime | None = None
+    message_type: str | None = None
+    correlation_id: str | uuid.UUID | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ class _Row:
     payload_bytes: bytes | None
     headers: str  # JSON text
     content_type: str | None
+    message_type: str | None
+    correlation_id: str | None
     available_at: datetime | None
 
 
@@ -234,6 +238,11 @@ def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder,
     message_id = _text("message_id", given_id, optional=True) or str(uuid.uuid4())
     ordering_key = _text("ordering_key", event.ordering_key, optional=True)
     content_type = _text("content_type", event.content_type, optional=True)
+    message_type = _text("message_type", event.message_type, optional=True)
+    given_correlation = event.correlation_id
+    if isinstance(given_correlation, uuid.UUID):
+        given_correlation = str(given_correlation)
+    correlation_id = _text("correlation_id", given_correlation, optional=True)
     assert exchange is not None and routing_key is not None
     available_at = event.available_at
     if available_at is not None and (
@@ -257,11 +266,12 @@ def _row(event: Event, max_message_bytes: int, encoder: json.JSONEncoder,
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
         headers=headers, ordering_key=ordering_key, content_type=content_type,
         json_payload=payload is not None, max_message_bytes=max_message_bytes,
-        frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM, headers_text=headers_text)
+        frame_max=DEFAULT_FRAME_MAX, ledger_stream=DEFAULT_LEDGER_STREAM, headers_text=headers_text,
+        message_type=message_type, correlation_id=correlation_id)
     if found is not None:
         raise InvalidEvent(found.field, found.reason)
     return _Row(message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
-                headers_text, content_type, available_at)
+                headers_text, content_type, message_type, correlation_id, available_at)
 
 
 def _prepare(events: Iterable[Event], table: str, max_message_bytes: int,
@@ -448,7 +458,8 @@ def enqueue_many_async(target: AsyncTarget, events: Iterable[Event], *, table: s
 def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any,
             message_id: str | uuid.UUID | None = None, ordering_key: str | None = None,
             headers: Mapping[str, Any] | None = None, content_type: str | None = None,
-            available_at: datetime | None = None, table: str = "outbox",
+            available_at: datetime | None = None, message_type: str | None = None,
+            correlation_id: str | uuid.UUID | None = None, table: str = "outbox",
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
             json_default: JsonDefault | None = None) -> str:
     """Add one event to the outbox ``table`` in the caller's transaction; its message id.
@@ -464,15 +475,18 @@ def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any
     inside an OpenTelemetry span, the span's context is added as ``traceparent`` and
     ``tracestate`` unless ``headers`` has either (a malformed one raises InvalidEvent).
     ``available_at``: a timezone-aware datetime before which the relay does not publish it.
-    ``max_message_bytes``: the relay's OUTBOX_MAX_MESSAGE_BYTES. Raises InvalidEvent (naming
-    the field) for what the relay would dead-letter, NotInTransaction on a connection that
-    would commit the event on its own, TypeError for an asynchronous target (use ``await
-    enqueue_async(...)``). Never commits.
+    ``message_type`` and ``correlation_id`` (a str, or a UUID written as its string): the
+    message's AMQP ``type`` and ``correlation_id`` properties, unset when None (at most 255
+    bytes of UTF-8, no control characters). ``max_message_bytes``: the relay's
+    OUTBOX_MAX_MESSAGE_BYTES. Raises InvalidEvent (naming the field) for what the relay would
+    dead-letter, NotInTransaction on a connection that would commit the event on its own,
+    TypeError for an asynchronous target (use ``await enqueue_async(...)``). Never commits.
     """
     kind = _sync_kind(target, "enqueue")
     event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
-                  content_type=content_type, available_at=available_at)
+                  content_type=content_type, available_at=available_at,
+                  message_type=message_type, correlation_id=correlation_id)
     statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
                                       single=True)
     _insert(target, kind, table, statement, params)
@@ -482,7 +496,8 @@ def enqueue(target: SyncTarget, *, exchange: str, routing_key: str, payload: Any
 def enqueue_async(target: AsyncTarget, *, exchange: str, routing_key: str, payload: Any,
                   message_id: str | uuid.UUID | None = None, ordering_key: str | None = None,
                   headers: Mapping[str, Any] | None = None, content_type: str | None = None,
-                  available_at: datetime | None = None, table: str = "outbox",
+                  available_at: datetime | None = None, message_type: str | None = None,
+                  correlation_id: str | uuid.UUID | None = None, table: str = "outbox",
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   json_default: JsonDefault | None = None) -> Coroutine[Any, Any, str]:
     """``enqueue`` on an asynchronous target (psycopg AsyncConnection or AsyncCursor,
@@ -494,7 +509,8 @@ def enqueue_async(target: AsyncTarget, *, exchange: str, routing_key: str, paylo
     kind = _async_kind(target, "enqueue")
     event = Event(exchange=exchange, routing_key=routing_key, payload=payload,
                   message_id=message_id, ordering_key=ordering_key, headers=headers,
-                  content_type=content_type, available_at=available_at)
+                  content_type=content_type, available_at=available_at,
+                  message_type=message_type, correlation_id=correlation_id)
     statement, params, ids = _prepare([event], table, max_message_bytes, json_default,
                                       single=True)
     return Enqueueing(functools.partial(_insert_one_async, target, kind, table, statement,

@@ -22,7 +22,8 @@ from typing import Any
 
 from outbox_relay import properties
 
-SHORTSTR_MAX = 255  # AMQP short strings: exchange, routing key, message id, content type
+# AMQP short strings: exchange, routing key, message id, content type, type, correlation id.
+SHORTSTR_MAX = 255
 # Deeper header tables are refused before anything recursive (JSON decoding, conversion,
 # pika's encoder) meets them: jsonb accepts nesting thousands of levels deep.
 HEADERS_DEPTH_MAX = 64
@@ -88,6 +89,27 @@ def _shortstr(name: str, value: str) -> Problem | None:
     if not (value.isascii() and len(value) <= SHORTSTR_MAX) and len(value.encode()) > SHORTSTR_MAX:
         return Problem(name, f"{name} is longer than {SHORTSTR_MAX} bytes")
     return None
+
+
+# C0 and C1 control characters and DEL: AMQP short strings could carry them, but a type or a
+# correlation id is a name consumers route, match and log by; one holding a line break, an
+# escape sequence or a NUL-like byte is a producer's bug or an attack on those logs and matches.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _property_text(name: str, value: str | None) -> Problem | None:
+    """A row's message_type or correlation_id (AMQP type, correlation_id): a short string
+    without control characters, or None (the property is not set)."""
+    if value is None:
+        return None
+    found = _shortstr(name, value)
+    # isprintable (C, a fraction of the regex's cost) is False for every control character,
+    # and for a few characters allowed here (U+2028, U+00A0, ...): the regex then decides.
+    if found is None and not value.isprintable() \
+            and (bad := _CONTROL.search(value)) is not None:
+        found = Problem(name, f"{name} holds the control character U+{ord(bad[0]):04X} at "
+                              f"position {bad.start()}")
+    return found
 
 
 def amqp_value(value: Any) -> Any:
@@ -272,7 +294,8 @@ def _epoch(created_at: float | datetime) -> float:
 def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size: int,
                   headers: Any, content_type: str, created_at: float, created_shown: Any,
                   max_message_bytes: int, ledger_stream: str | None,
-                  flat: bool = False) -> Problem | None:
+                  flat: bool = False, message_type: str | None = None,
+                  correlation_id: str | None = None) -> Problem | None:
     """Why a message with these fields can never be published, or None, before its properties
     are encoded. ``flat``: headers known to be a dict of str and int values (no depth to check)."""
     error = (
@@ -282,6 +305,9 @@ def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size
         or _shortstr("content_type", content_type)
         or ledger_address_problem(exchange, routing_key, ledger_stream)
     )
+    if error is None and (message_type is not None or correlation_id is not None):
+        error = (_property_text("message_type", message_type)
+                 or _property_text("correlation_id", correlation_id))
     if error is None and not isinstance(headers, dict):
         error = Problem("headers", f"headers must be a JSON object, got {type(headers).__name__}")
     if error is None and not flat and _depth_over(headers, HEADERS_DEPTH_MAX):
@@ -294,11 +320,19 @@ def field_problem(*, message_id: str, exchange: str, routing_key: str, body_size
 
 
 def property_fields(message_id: str, content_type: str, table: Mapping[str, Any] | None,
-                    created_at: float, user_id: str | None = None) -> dict[str, Any]:
+                    created_at: float, user_id: str | None = None,
+                    message_type: str | None = None,
+                    correlation_id: str | None = None) -> dict[str, Any]:
     """The AMQP properties of a message (persistent), by pika's names. ``user_id``: the user
-    of the relay's connection, which RabbitMQ checks (none from the producer API)."""
-    return {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
-            "headers": table or None, "timestamp": int(created_at), "user_id": user_id}
+    of the relay's connection, which RabbitMQ checks (none from the producer API). The type
+    and correlation_id properties are in the dict only when set (most rows set neither)."""
+    fields = {"delivery_mode": 2, "message_id": message_id, "content_type": content_type,
+              "headers": table or None, "timestamp": int(created_at), "user_id": user_id}
+    if message_type is not None:
+        fields["type"] = message_type
+    if correlation_id is not None:
+        fields["correlation_id"] = correlation_id
+    return fields
 
 
 def encoding_problem(fields: Mapping[str, Any], *, body_size: int,
@@ -347,6 +381,8 @@ def publish_problem(
     frame_max: int = DEFAULT_FRAME_MAX,
     ledger_stream: str | None = None,
     headers_text: str | None = None,
+    message_type: str | None = None,
+    correlation_id: str | None = None,
 ) -> Problem | None:
     """Why the relay would dead-letter a row with these values (the field at fault and the
     reason it would dead-letter the row with), or None if it would publish it.
@@ -375,11 +411,12 @@ def publish_problem(
     error = field_problem(
         message_id=message_id, exchange=exchange, routing_key=routing_key, body_size=body_size,
         headers=headers, content_type=content_type, created_at=stamp, created_shown=created_at,
-        max_message_bytes=max_message_bytes, ledger_stream=ledger_stream)
+        max_message_bytes=max_message_bytes, ledger_stream=ledger_stream,
+        message_type=message_type, correlation_id=correlation_id)
     if error is not None:
         return error
     fields = property_fields(message_id, content_type, amqp_value(headers), stamp,
-                             LONGEST_USER_ID)
+                             LONGEST_USER_ID, message_type, correlation_id)
     return encoding_problem(fields, body_size=body_size, frame_max=frame_max)[0]
 
 

@@ -25,8 +25,10 @@ from outbox_relay.postgres import connect_pinned, missing_schema
 from outbox_relay.tables import Tables
 
 # What sql/schema.sql creates and records (tests/unit/test_schema_version.py holds them equal).
-SCHEMA_VERSION = 2
-SCHEMA_USABLE_FROM = 2
+SCHEMA_VERSION = 3
+# Version 2 programs cannot run on version 3: they would publish rows without their
+# message_type and correlation_id, and move rows to the dead-letter table without them.
+SCHEMA_USABLE_FROM = 3
 
 _RECORDED_RE = re.compile(r"^outbox-relay schema version (\d{1,9}), usable by programs of schema "
                           r"version (\d{1,9}) or newer")

@@ -57,6 +57,10 @@ class RecordedEvent:
     # None: publish at once (the row's default, now()).
     available_at: datetime | None
     table: str
+    # The AMQP type and correlation_id properties (None: not set); a UUID correlation id as
+    # its string, as the relay sends it.
+    message_type: str | None = None
+    correlation_id: str | None = None
 
 
 _FIELDS = frozenset(f.name for f in fields(RecordedEvent))
@@ -256,7 +260,8 @@ def _event(table: str, row: Mapping[str, Any]) -> RecordedEvent:
         payload=raw if raw is not None else json.loads(text or "null"), body=body,
         content_type=row["content_type"] or default_content_type(raw is None),
         headers=json.loads(row["headers"]), ordering_key=row["ordering_key"],
-        available_at=row["available_at"], table=table)
+        available_at=row["available_at"], table=table, message_type=row["message_type"],
+        correlation_id=row["correlation_id"])
 
 
 __all__ = ["RecordedEvent", "RecordingOutbox"]

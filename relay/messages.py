@@ -72,11 +72,11 @@ class EncodedProperties(BasicProperties):  # type: ignore[misc]  # pika has no t
 
 
 def encoded(*, message_id: str, content_type: str, headers: Mapping[str, Any] | None,
-            timestamp: int, user_id: str | None = None) -> BasicProperties:
+            timestamp: int, user_id: str | None = None, message_type: str | None = None,
+            correlation_id: str | None = None) -> BasicProperties:
     """Persistent message properties: encoded beforehand when their shape allows, else pika's."""
-    fields: dict[str, Any] = {"delivery_mode": 2, "message_id": message_id,
-                              "content_type": content_type, "headers": headers or None,
-                              "timestamp": timestamp, "user_id": user_id}
+    fields = property_fields(message_id, content_type, headers, timestamp, user_id,
+                             message_type, correlation_id)
     return _properties(fields, properties.wire(**fields))
 
 
@@ -125,11 +125,12 @@ def to_message(row: OutboxRow, *, max_bytes: int, frame_max: int = DEFAULT_FRAME
             message_id=row.message_id, exchange=row.exchange, routing_key=row.routing_key,
             body_size=len(row.body), headers=headers, content_type=content_type,
             created_at=row.created_epoch, created_shown=repr(row.created_at),
-            max_message_bytes=max_bytes, ledger_stream=ledger_stream, flat=flat)
+            max_message_bytes=max_bytes, ledger_stream=ledger_stream, flat=flat,
+            message_type=row.message_type, correlation_id=row.correlation_id)
         if found is None:
             fields = property_fields(row.message_id, content_type,
                                      headers if flat else amqp_value(headers), row.created_epoch,
-                                     user_id)
+                                     user_id, row.message_type, row.correlation_id)
             found, wire = encoding_problem(fields, body_size=len(row.body), frame_max=frame_max)
     except (RecursionError, ValueError, OverflowError, TypeError, MemoryError) as exc:
         return Unpublishable(f"row cannot be decoded: {type(exc).__name__}: {short_reason(exc)}")

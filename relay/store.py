@@ -290,7 +290,8 @@ class OutboxStore:
             {"id": r.id, "message_id": r.message_id, "exchange": r.exchange,
              "routing_key": r.routing_key, "ordering_key": r.ordering_key,
              "is_json": r.is_json, "body": r.body, "headers": r.headers,
-             "content_type": r.content_type, "created_at": r.created_at,
+             "content_type": r.content_type, "message_type": r.message_type,
+             "correlation_id": r.correlation_id, "created_at": r.created_at,
              "attempts": r.attempts, "error": error}
             for r, error in rows
         ]

@@ -19,14 +19,15 @@
 -- given (WITH ORDINALITY), so events of one ordering key keep the caller's order. message_id is
 -- made by the caller, so no RETURNING (and no SELECT grant) is needed.
 INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
-                      headers, content_type, available_at)
-SELECT m, e, r, o, CAST(p AS jsonb), b, CAST(h AS jsonb), c, coalesce(a, pg_catalog.now())
+                      headers, content_type, message_type, correlation_id, available_at)
+SELECT m, e, r, o, CAST(p AS jsonb), b, CAST(h AS jsonb), c, y, i, coalesce(a, pg_catalog.now())
 FROM unnest(CAST(%(message_id)s AS text[]), CAST(%(exchange)s AS text[]),
             CAST(%(routing_key)s AS text[]), CAST(%(ordering_key)s AS text[]),
             CAST(%(payload)s AS text[]), CAST(%(payload_bytes)s AS bytea[]),
             CAST(%(headers)s AS text[]), CAST(%(content_type)s AS text[]),
+            CAST(%(message_type)s AS text[]), CAST(%(correlation_id)s AS text[]),
             CAST(%(available_at)s AS timestamptz[]))
-     WITH ORDINALITY AS t(m, e, r, o, p, b, h, c, a, n)
+     WITH ORDINALITY AS t(m, e, r, o, p, b, h, c, y, i, a, n)
 ORDER BY n;
 
 -- name: inbox_record

@@ -220,22 +220,23 @@ WITH live AS MATERIALIZED (
 ), moved AS (
     -- No RETURNING: the relays' role needs no SELECT on the dead-letter table for it.
     INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key,
-                               payload, payload_bytes, headers, content_type, created_at,
-                               attempts, last_error)
+                               payload, payload_bytes, headers, content_type, message_type,
+                               correlation_id, created_at, attempts, last_error)
     SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-           content_type, created_at, least(attempts, 2147483646) + 1, reason
+           content_type, message_type, correlation_id, created_at,
+           least(attempts, 2147483646) + 1, reason
     FROM oversized
 )
 SELECT id, message_id, exchange, routing_key, ordering_key,
        coalesce(payload_bytes, pg_catalog.convert_to(payload::text, 'UTF8')) AS body,
        payload IS NOT NULL AS is_json, headers::text AS headers, content_type,
        extract(epoch FROM created_at)::float8 AS created_epoch, created_at::text AS created_at,
-       attempts, row_bytes, NULL::text AS dead_reason
+       attempts, row_bytes, NULL::text AS dead_reason, message_type, correlation_id
 FROM claimed
 WHERE row_bytes <= %(max_row_bytes)s
 UNION ALL
 SELECT id, message_id, '', '', NULL, '\x'::bytea, false, '{{}}', NULL, 0::float8, '',
-       least(attempts, 2147483646) + 1, 0::bigint, reason
+       least(attempts, 2147483646) + 1, 0::bigint, reason, NULL, NULL
 FROM oversized;
 
 -- name: dead_letter_claimed
@@ -245,11 +246,13 @@ FROM oversized;
 -- body goes back as the claim fetched it, bytes sent in binary (a JSON payload's UTF-8 text
 -- too): the relay makes no copy of it for this.
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 VALUES (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(ordering_key)s,
         CASE WHEN %(is_json)s THEN convert_from(%(body)s, 'UTF8')::jsonb END,
         CASE WHEN NOT %(is_json)s THEN %(body)s END, %(headers)s::jsonb, %(content_type)s,
-        %(created_at)s::timestamptz, least(%(attempts)s, 2147483646) + 1, %(error)s);
+        %(message_type)s, %(correlation_id)s, %(created_at)s::timestamptz,
+        least(%(attempts)s, 2147483646) + 1, %(error)s);
 
 -- name: forget_delivered
 -- After a failed batch was rolled back: rows the broker did confirm are delivered; remove them
@@ -288,9 +291,11 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-       content_type, created_at, attempts, coalesce(last_error, 'unknown error')
+       content_type, message_type, correlation_id, created_at, attempts,
+       coalesce(last_error, 'unknown error')
 FROM moved
 RETURNING outbox_id;
 
@@ -304,9 +309,10 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key, payload,
-                           payload_bytes, headers, content_type, created_at, attempts, last_error)
+                           payload_bytes, headers, content_type, message_type, correlation_id,
+                           created_at, attempts, last_error)
 SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-       content_type, created_at, least(attempts, 2147483646) + 1,
+       content_type, message_type, correlation_id, created_at, least(attempts, 2147483646) + 1,
        coalesce(%(errors)s::jsonb ->> id::text, 'unknown error')
 FROM moved
 RETURNING outbox_id;
@@ -363,10 +369,10 @@ WITH moved AS (
 ), stored AS (
     -- No RETURNING: the relays' role may read only outbox_id and ordering_key there.
     INSERT INTO {dead_letter} (outbox_id, message_id, exchange, routing_key, ordering_key,
-                               payload, payload_bytes, headers, content_type, created_at,
-                               attempts, last_error)
+                               payload, payload_bytes, headers, content_type, message_type,
+                               correlation_id, created_at, attempts, last_error)
     SELECT id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-           content_type, created_at, least(attempts, 2147483646) + 1,
+           content_type, message_type, correlation_id, created_at, least(attempts, 2147483646) + 1,
            format('available_at %%L is never due (a date before the year 10000 is required)',
                   available_at)
     FROM moved
@@ -625,20 +631,21 @@ WITH old AS (
     WHERE d.id = %(id)s
 ), in_place AS (
     INSERT INTO {outbox} (id, message_id, exchange, routing_key, ordering_key, payload,
-                          payload_bytes, headers, content_type, created_at, attempts,
-                          available_at, last_error)
+                          payload_bytes, headers, content_type, message_type, correlation_id,
+                          created_at, attempts, available_at, last_error)
     OVERRIDING SYSTEM VALUE
     SELECT outbox_id, message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
-           headers, content_type, created_at, 0, now(), NULL
+           headers, content_type, message_type, correlation_id, created_at, 0, now(), NULL
     FROM old
     WHERE in_place
     ON CONFLICT DO NOTHING
     RETURNING id
 ), renumbered AS (
     INSERT INTO {outbox} (message_id, exchange, routing_key, ordering_key, payload, payload_bytes,
-                          headers, content_type, created_at, attempts, available_at, last_error)
+                          headers, content_type, message_type, correlation_id, created_at,
+                          attempts, available_at, last_error)
     SELECT message_id, exchange, routing_key, ordering_key, payload, payload_bytes, headers,
-           content_type, created_at, 0, now(), NULL
+           content_type, message_type, correlation_id, created_at, 0, now(), NULL
     FROM old
     WHERE NOT in_place
     ON CONFLICT (message_id) DO NOTHING

@@ -131,9 +131,9 @@ BEGIN
     EXECUTE format('GRANT SELECT, DELETE, UPDATE (attempts, available_at, last_error) ON %s '
                    'TO %I', outbox, relay_role);
     EXECUTE format('GRANT INSERT (outbox_id, message_id, exchange, routing_key, ordering_key, '
-                   'payload, payload_bytes, headers, content_type, created_at, attempts, '
-                   'last_error), SELECT (outbox_id, ordering_key) ON %s TO %I', dead_letter,
-                   relay_role);
+                   'payload, payload_bytes, headers, content_type, message_type, '
+                   'correlation_id, created_at, attempts, last_error), '
+                   'SELECT (outbox_id, ordering_key) ON %s TO %I', dead_letter, relay_role);
     -- The key is the relays' secret: nobody else reads it (a superuser always can).
     EXECUTE format('GRANT SELECT (singleton, key) ON %s TO %I', ledger_key, relay_role);
 
@@ -146,8 +146,8 @@ BEGIN
     -- attempts, last_error or dead_at, the record of what happened).
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', nsp, operator_role);
     EXECUTE format('GRANT SELECT, DELETE, UPDATE (exchange, routing_key, ordering_key, payload, '
-                   'payload_bytes, headers, content_type, created_at) ON %s TO %I', dead_letter,
-                   operator_role);
+                   'payload_bytes, headers, content_type, message_type, correlation_id, '
+                   'created_at) ON %s TO %I', dead_letter, operator_role);
     EXECUTE format('GRANT INSERT, SELECT (id, message_id) ON %s TO %I', outbox, operator_role);
 
     -- producers: a plain INSERT of the producer's columns. id, created_at, attempts and
@@ -155,8 +155,8 @@ BEGIN
     -- 'infinity' created_at, no negative attempts).
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', nsp, producer_role);
     EXECUTE format('GRANT INSERT (message_id, exchange, routing_key, ordering_key, payload, '
-                   'payload_bytes, headers, content_type, available_at) ON %s TO %I',
-                   outbox, producer_role);
+                   'payload_bytes, headers, content_type, message_type, correlation_id, '
+                   'available_at) ON %s TO %I', outbox, producer_role);
 
     -- Nobody but the owners creates in public or in the outbox's schema (above).
     IF public_create = 'revoke' THEN

@@ -1,4 +1,4 @@
--- outbox-relay schema, version 2 (version 1 tables are upgraded in place). The version is
+-- outbox-relay schema, version 3 (version 1 and 2 tables are upgraded in place). The version is
 -- recorded in the database, as the comment on the outbox table (the end of this file).
 --
 -- Idempotent: apply it as often as you like. {outbox}, {dead_letter} and the index names are
@@ -20,9 +20,9 @@ DO $version$
 DECLARE
     recorded text := obj_description(to_regclass({outbox_text}), 'pg_class');
 BEGIN
-    IF coalesce(substring(recorded FROM '^outbox-relay schema version ([0-9]+)')::numeric, 0) > 2 THEN
+    IF coalesce(substring(recorded FROM '^outbox-relay schema version ([0-9]+)')::numeric, 0) > 3 THEN
         RAISE EXCEPTION USING MESSAGE = 'table ' || {outbox_text} || ' has a newer schema than '
-            || 'version 2 (' || recorded || '): not changed; use a newer outbox-relay';
+            || 'version 3 (' || recorded || '): not changed; use a newer outbox-relay';
     END IF;
 END
 $version$;
@@ -40,6 +40,10 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     payload_bytes bytea,
     headers       jsonb NOT NULL DEFAULT '{{}}'::jsonb,
     content_type  text,
+    -- The AMQP type and correlation_id properties (consumers route and correlate by them):
+    -- set when not NULL. Version 2 tables get them below.
+    message_type   text,
+    correlation_id text,
     created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- Not claimed before this time: retry backoff, or a producer's deliberate delay.
     available_at  timestamptz NOT NULL DEFAULT now(),
@@ -48,16 +52,36 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     CHECK (pg_catalog.num_nonnulls(payload, payload_bytes) = 1)
 );
 
+-- Version 1 and 2 tables: the AMQP type and correlation_id columns (NULL in every row there is:
+-- no rewrite).
+ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS message_type text,
+                     ADD COLUMN IF NOT EXISTS correlation_id text;
+
 -- What the relay fetches of a row, in bytes (the payload's JSON text or bytes, the headers' JSON
 -- text, the text columns): its batches are cut by OUTBOX_BATCH_MAX_BYTES of it, and a row over
 -- OUTBOX_MAX_MESSAGE_BYTES is moved to the dead-letter table without being fetched at all.
--- Computed by PostgreSQL at insert (a producer cannot set it); added to version 1 tables here
--- (which rewrites the table once, under an exclusive lock).
+-- Computed by PostgreSQL at insert (a producer cannot set it). A version 2 table's row_bytes
+-- leaves out message_type and correlation_id (a producer could make the relay fetch a row far
+-- over its budget through them): it is dropped and added again below. PostgreSQL before 17
+-- cannot change a generated column's expression in place. Adding it (to version 1 and 2
+-- tables) rewrites the table once, under an exclusive lock.
+DO $row_bytes$
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_attrdef AS d
+               JOIN pg_catalog.pg_attribute AS a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+               WHERE d.adrelid = {outbox_text}::regclass AND a.attname = 'row_bytes'
+                 AND pg_catalog.strpos(pg_catalog.pg_get_expr(d.adbin, d.adrelid),
+                                       'correlation_id') = 0) THEN
+        ALTER TABLE {outbox} DROP COLUMN row_bytes;
+    END IF;
+END
+$row_bytes$;
 ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS row_bytes bigint GENERATED ALWAYS AS (
     coalesce(octet_length(payload_bytes), octet_length(payload::text), 0)::bigint
     + octet_length(headers::text) + octet_length(message_id) + octet_length(exchange)
     + octet_length(routing_key) + coalesce(octet_length(ordering_key), 0)
-    + coalesce(octet_length(content_type), 0)) STORED;
+    + coalesce(octet_length(content_type), 0) + coalesce(octet_length(message_type), 0)
+    + coalesce(octet_length(correlation_id), 0)) STORED;
 
 CREATE UNIQUE INDEX IF NOT EXISTS {message_id_index} ON {outbox} (message_id);
 
@@ -79,11 +103,17 @@ CREATE TABLE IF NOT EXISTS {dead_letter} (
     payload_bytes bytea,
     headers       jsonb NOT NULL,
     content_type  text,
+    message_type   text,
+    correlation_id text,
     created_at    timestamptz NOT NULL,
     attempts      integer NOT NULL,
     last_error    text NOT NULL,
     dead_at       timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+
+-- Version 1 and 2 dead-letter tables: the AMQP type and correlation_id of their rows.
+ALTER TABLE {dead_letter} ADD COLUMN IF NOT EXISTS message_type text,
+                          ADD COLUMN IF NOT EXISTS correlation_id text;
 
 -- Version 1 dead-letter tables: the id was the outbox id. Keep it as outbox_id, and number new
 -- dead letters after the highest id there is.
@@ -132,4 +162,4 @@ ON CONFLICT (singleton) DO NOTHING;
 -- relays of the previous version keep running through a rolling upgrade). A comment, not a
 -- table: pg_dump (--schema-only too) and pg_restore keep it, it moves with the table, and
 -- every role can read it (pg_description) without a grant. Do not change it by hand.
-COMMENT ON TABLE {outbox} IS 'outbox-relay schema version 2, usable by programs of schema version 2 or newer; written by outbox-relay migrate';
+COMMENT ON TABLE {outbox} IS 'outbox-relay schema version 3, usable by programs of schema version 3 or newer; written by outbox-relay migrate';

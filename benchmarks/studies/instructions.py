@@ -8,7 +8,8 @@ next, and a change worth a few per cent shows only here.
 - build: ``outbox_relay.relay.messages.to_message`` over N claimed rows of each shape (no key; K keys; no
   key, but two headers as large as a keyed message's written in the headers column, under the
   stand-in names of benchmarks.workload.KEY_HEADER_STAND_INS: a row may not set the relay's
-  own; no key, and a producer's trace context, traceparent and tracestate, as the headers), in
+  own; no key, and a producer's trace context, traceparent and tracestate, as the headers; no
+  key, and an AMQP type and correlation id), in
   one Python process under callgrind, minus the same process building the rows only;
 - claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
@@ -41,7 +42,7 @@ from outbox_relay.relay.store import claim_session
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
 
-SHAPES = ("none", "keys", "headers", "trace")
+SHAPES = ("none", "keys", "headers", "trace", "ids")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
                 "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True}
 _COLLECTED = re.compile(r"Collected : (\d+)")
@@ -67,7 +68,8 @@ def _row(n: int, shape: str, keys: int) -> OutboxRow:
                      body=b'{"key": "k1", "pad": "' + b"x" * 210 + b'", "seq": 12345}',
                      is_json=True, headers=headers, content_type=None,
                      created_epoch=1_764_000_000.5, created_at="2025-11-24 16:00:00.5+00",
-                     attempts=0)
+                     attempts=0, message_type="bench.created.v1" if shape == "ids" else None,
+                     correlation_id=f"req-{_random_id(n, 64):016x}" if shape == "ids" else None)
 
 
 def _build_child(shape: str, rows: int, keys: int, build: bool) -> None:

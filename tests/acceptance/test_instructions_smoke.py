@@ -1,6 +1,6 @@
 """The instruction counter (benchmarks/studies/instructions.py) runs end to end in a small size, so it
 cannot rot: to_message in Python processes under callgrind, the claim on a PostgreSQL started
-under callgrind (devenv.servers' wrapper). Two of the four row shapes: each shape's build is two
+under callgrind (devenv.servers' wrapper). Two of the row shapes: each shape's build is two
 Python processes under callgrind, most of the run's minutes (the others differ only in the row
 built)."""
 
@@ -26,4 +26,5 @@ def test_instructions_smoke(tmp_path: Path) -> None:
     assert set(counted["claim"]) == {"none", "keys"} and counted["shuffled_keys"] is True
     # Counts, not timings: a keyed row is more work than a keyless one, in both places.
     assert 0 < counted["build"]["none"] < counted["build"]["keys"]
+    assert counted["build"]["none"] < counted["build"]["ids"]  # two properties more
     assert 0 < counted["claim"]["none"] < counted["claim"]["keys"]

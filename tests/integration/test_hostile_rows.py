@@ -215,7 +215,8 @@ def test_payload_over_the_message_size_limit(env: Env) -> None:
     assert sizes == {"too-big-bytes": (1 << 20) + 1, "too-big-json": (1 << 20) + len('{"pad": ""}')}
 
 
-@pytest.mark.parametrize("column", ["exchange", "routing_key", "message_id", "content_type"])
+@pytest.mark.parametrize("column", ["exchange", "routing_key", "message_id", "content_type",
+                                    "message_type", "correlation_id"])
 def test_short_string_columns_megabytes_long(env: Env, column: str) -> None:
     head = normal(env, "head")
     message_id = "long-column"
@@ -226,6 +227,21 @@ def test_short_string_columns_megabytes_long(env: Env, column: str) -> None:
     insert(env, message_id, **columns)
     tail = normal(env, "tail")
     settle(env, [relay(env)], {message_id: f"{column} is longer than 255 bytes"}, head + tail)
+
+
+def test_type_and_correlation_id_with_control_characters(env: Env) -> None:
+    # Consumers route, match and log by them: a line break or an escape sequence there is a
+    # producer's bug or an attack on those logs, never published.
+    head = normal(env, "head")
+    insert(env, "crlf-type", message_type="order.paid\r\nX-Injected: 1")
+    insert(env, "escape-correlation", correlation_id="\x1b[2Jreq-1")
+    insert(env, "c1-correlation", correlation_id="req\u0085")
+    tail = normal(env, "tail")
+    settle(env, [relay(env)], {
+        "crlf-type": "message_type holds the control character U+000D at position 10",
+        "escape-correlation": "correlation_id holds the control character U+001B at position 0",
+        "c1-correlation": "correlation_id holds the control character U+0085 at position 3",
+    }, head + tail)
 
 
 # -- rows aimed at the ledger ----------------------------------------------------------------

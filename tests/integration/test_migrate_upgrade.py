@@ -183,7 +183,8 @@ def test_a_newer_schema_is_refused_unless_it_is_usable_and_migrate_never_downgra
     # An older migrate (this one, against a newer schema) changes nothing, and says why.
     applied = cli(env, "migrate")
     assert applied.returncode == 3
-    assert "has a newer schema than version 2" in only_line(applied.stderr), applied.stderr
+    assert f"has a newer schema than version {SCHEMA_VERSION}" in only_line(applied.stderr), \
+        applied.stderr
     with pytest.raises(StartupCheckError, match="not changed; use a newer outbox-relay"):
         migrate(env.db_url, env.table)
     assert recorded(env) == unusable
@@ -194,7 +195,7 @@ def test_a_newer_schema_is_refused_unless_it_is_usable_and_migrate_never_downgra
                                        "or newer"))
     checked = cli(env, "migrate", "--check")
     assert checked.returncode == 0, checked.stderr
-    assert "(newer than this outbox-relay's 2, and usable by it)" in checked.stdout
+    assert f"(newer than this outbox-relay's {SCHEMA_VERSION}, and usable by it)" in checked.stdout
     with env.connect() as conn:
         produced = checker.insert_events(conn, env.table, 10, exchange=env.exchange,
                                          routing_key=env.routing_key)
@@ -206,7 +207,7 @@ def test_a_newer_schema_is_refused_unless_it_is_usable_and_migrate_never_downgra
 
 def test_pg_dump_and_restore_keep_the_schema_version(env: Env) -> None:
     """The version is a comment on the outbox table: a schema-only dump of the three tables,
-    restored into another database, says version 2 there, and the relay's check passes."""
+    restored into another database, says its version there, and the relay's check passes."""
     pg_dump, psql = shutil.which("pg_dump"), shutil.which("psql")
     assert pg_dump and psql, "pg_dump and psql: Debian's postgresql-client"
     tables = Tables(env.table)

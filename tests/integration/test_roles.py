@@ -21,6 +21,7 @@ from psycopg import sql
 
 from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
+from outbox_relay.schema import SCHEMA_VERSION
 from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
 from tests.integration.test_pipeline import in_doubt, log_of, outbox_count, stop, wait_until
@@ -157,7 +158,7 @@ def test_each_program_works_as_its_least_privileged_role(
     for kind in ("relay", "operator", "service"):
         checked = run_cli(env, "relay", "migrate", "--check", OUTBOX_DATABASE_URL=roles[kind])
         assert checked.returncode == 0, (kind, checked.stderr)
-        assert "schema version 2 (current)" in checked.stdout
+        assert f"schema version {SCHEMA_VERSION} (current)" in checked.stdout
 
     # The service inserts events with nothing but its producer grant.
     # An exchange that exists but the relay's user may not write to.
@@ -167,10 +168,14 @@ def test_each_program_works_as_its_least_privileged_role(
     with psycopg.connect(roles["service"], autocommit=True) as service:
         produced = checker.insert_events(service, env.table, 100, exchange=env.exchange,
                                          routing_key=env.routing_key)
+        # The AMQP type and correlation id are producer columns, and go to the dead-letter
+        # table with the row.
         service.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload, "
-                                "headers) VALUES ('bad-headers', %s, 'k', '{{}}', '[1]'), "
-                                "('no-exchange', %s, 'k', '{{}}', '{{}}'), "
-                                "('forbidden', %s, 'k', '{{}}', '{{}}')").format(tables.outbox),
+                                "headers, message_type, correlation_id) VALUES "
+                                "('bad-headers', %s, 'k', '{{}}', '[1]', 't.v1', 'req-1'), "
+                                "('no-exchange', %s, 'k', '{{}}', '{{}}', NULL, NULL), "
+                                "('forbidden', %s, 'k', '{{}}', '{{}}', NULL, NULL)").format(
+                                    tables.outbox),
                         (env.exchange, env.exchange + ".missing", env.exchange + ".forbidden"))
         # Too big to fetch: the claim itself moves it to the dead-letter table.
         service.execute(sql.SQL("INSERT INTO {} (message_id, exchange, routing_key, payload_bytes)"
@@ -225,6 +230,11 @@ def test_each_program_works_as_its_least_privileged_role(
     rows = {row["message_id"]: row for row in json.loads(listed.stdout)}
     dead = {message_id: row["id"] for message_id, row in rows.items()}
     assert set(dead) == {"bad-headers", "no-exchange", "forbidden", "too-big"}
+    with env.connect() as admin:
+        kept = admin.execute(sql.SQL("SELECT message_type, correlation_id FROM {} WHERE "
+                                     "message_id = 'bad-headers'").format(
+                                         tables.dead_letter)).fetchone()
+    assert kept == ("t.v1", "req-1")
     # A publish without write permission closes the channel; retried alone, the row is named.
     assert "ACCESS_REFUSED" in rows["forbidden"]["last_error"], rows["forbidden"]
     requeued = run_cli(env, "relay", "dead-letter", "requeue", "--id", str(dead["no-exchange"]),

@@ -151,6 +151,8 @@ class StoredRow:
     attempts: int = 0
     last_error: str | None = None
     available_at: float = 0.0
+    message_type: str | None = None
+    correlation_id: str | None = None
 
     def claimed(self) -> OutboxRow:
         """As the claim fetches it: the body as bytes, headers as JSON text, created_at twice."""
@@ -160,7 +162,8 @@ class StoredRow:
                          self.headers if isinstance(self.headers, RawHeaders) else json.dumps(self.headers),
                          self.content_type, self.created_at.timestamp(),
                          self.created_at.isoformat(sep=" "), self.attempts,
-                         len(body) + len(str(self.headers)) + len(self.message_id))
+                         len(body) + len(str(self.headers)) + len(self.message_id),
+                         message_type=self.message_type, correlation_id=self.correlation_id)
 
 
 @dataclass
@@ -211,7 +214,8 @@ class FakeStore(_Scripted):
             payload: str | None = '{"n": 1}', payload_bytes: bytes | None = None,
             headers: Any = None, content_type: str | None = None, message_id: str | None = None,
             attempts: int = 0, available_at: float = 0.0,
-            ordering_key: str | None = None) -> int:
+            ordering_key: str | None = None, message_type: str | None = None,
+            correlation_id: str | None = None) -> int:
         """Insert one row as a producer would; returns its id."""
         row_id = self._next_id
         self._next_id += 1
@@ -219,7 +223,7 @@ class FakeStore(_Scripted):
             row_id, message_id or f"msg-{row_id}", exchange, routing_key, ordering_key,
             payload if payload_bytes is None else None, payload_bytes,
             {} if headers is None else headers, content_type, CREATED_AT, attempts, None,
-            available_at)
+            available_at, message_type, correlation_id)
         return row_id
 
     def add_many(self, count: int, **kwargs: Any) -> list[int]:

@@ -104,7 +104,7 @@ INBOX_AT_WORK = (
     "channel = NS(basic_ack=lambda tag: None, basic_nack=lambda tag, requeue: None); "
     "props = NS(message_id='m', headers={'traceparent': "
     "'00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'}, content_type=None, "
-    "user_id=None, timestamp=1700000000); "
+    "user_id=None, timestamp=1700000000, type=None, correlation_id=None); "
     "method = NS(delivery_tag=1, routing_key='r', exchange='e', redelivered=False); "
     "assert inbox.handle_pika(conn, channel, method, props, b'{}', lambda c, m: None) "
     "is Outcome.APPLIED")

@@ -236,12 +236,16 @@ def test_an_object_that_runs_no_sql_is_a_type_error() -> None:
 # -- what is written --------------------------------------------------------------------------
 
 
+CORRELATION = uuid.UUID("5f0c7f7e-3b1a-4c52-9d7e-2f4f0f3a9b11")
+
+
 def test_one_event_is_one_statement_with_its_values() -> None:
     cursor = FakeCursor()
     at = NOW + timedelta(minutes=5)
     message_id = enqueue(cursor, exchange="orders", routing_key="order.paid", payload={"a": 1.5},
                          ordering_key="order-42", headers={"tenant": "acme"},
-                         content_type="application/vnd.order+json", available_at=at)
+                         content_type="application/vnd.order+json", available_at=at,
+                         message_type="order.paid.v1", correlation_id=CORRELATION)
 
     [(query, params)] = cursor.calls
     assert isinstance(query, str) and query.lstrip().startswith('INSERT INTO "outbox"')
@@ -249,6 +253,7 @@ def test_one_event_is_one_statement_with_its_values() -> None:
         "message_id": [message_id], "exchange": ["orders"], "routing_key": ["order.paid"],
         "ordering_key": ["order-42"], "payload": ['{"a": 1.5}'], "payload_bytes": [None],
         "headers": ['{"tenant": "acme"}'], "content_type": ["application/vnd.order+json"],
+        "message_type": ["order.paid.v1"], "correlation_id": [str(CORRELATION)],
         "available_at": [at],
     }
     assert uuid.UUID(message_id).version == 4

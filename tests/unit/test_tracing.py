@@ -273,7 +273,8 @@ def test_aio_pika_messages_get_the_same_span(spans: InMemorySpanExporter) -> Non
 
     message = Incoming(message_id="m-2", body=b"{}", headers={"traceparent": PARENT.encode()},
                        routing_key="order.paid", exchange="orders", content_type=None,
-                       redelivered=False, user_id=None, timestamp=None, delivery_tag=9)
+                       redelivered=False, user_id=None, timestamp=None, delivery_tag=9,
+                       type=None, correlation_id=None)
 
     async def handler(conn: Any, message: InboxMessage) -> None:
         pass

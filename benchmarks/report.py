@@ -44,16 +44,19 @@ def figures(results: dict[str, Any]) -> dict[str, float]:
 
 def recovery_figures(recovery: dict[str, Any]) -> dict[str, float]:
     """The target is per crash point: the slowest point's median, the slowest trial."""
-    points = recovery["points"].values()
-    if not recovery["seconds"]:
+    medians = [entry["median_s"] for entry in recovery["points"].values()
+               if entry["median_s"] is not None]
+    if not medians:
         return {}
-    return {"recovery_median_s": max(entry["median_s"] for entry in points),
-            "recovery_max_s": recovery["max_s"]}
+    return {"recovery_median_s": max(medians), "recovery_max_s": recovery["max_s"]}
 
 
 def recovery_lines(recovery: dict[str, Any]) -> list[str]:
     lines = []
     for point, entry in recovery["points"].items():
+        if not entry["seconds"]:
+            lines.append(f"recovery after SIGKILL at {point:14} no trial saw the batch")
+            continue
         lines.append(f"recovery after SIGKILL at {point:14} p50 {entry['median_s']:.2f} s, max "
                      f"{entry['max_s']:.2f} s (trials: "
                      f"{', '.join(f'{t:.2f}' for t in entry['seconds'])})")

@@ -12,14 +12,17 @@ In one run, on a PostgreSQL and a RabbitMQ of its own, it measures:
   default settings, polling: no NOTIFY);
 - relay x1/x2/x4 as real ``outbox-relay`` processes (default settings): a burst of events
   inserted in one transaction, from its COMMIT until the sink holds them;
-- recovery: SIGKILL of a relay holding a prepared batch to that batch delivered (defaults);
+- recovery: SIGKILL of a relay at each crash point to its batch finished and delivered
+  (defaults; ``--recovery`` runs only this, ``--recovery-points`` picks the points);
 - peak RSS of every relay process; ``--soak SECONDS`` instead runs the memory soak.
 
 The long scenarios run only when asked for, alone or together (their own JSON):
-``--bursts`` (about 25 minutes), ``--outage`` (about 8), ``--bloat`` (about 12); with
+``--bursts`` (about 25 minutes), ``--outage`` (about 8), ``--bloat`` (about 12),
+``--recovery`` (about 3: only the recovery trials, 5 with ``--recovery-trials 5``); with
 ``--smoke`` each takes seconds.
 
-Every relay, latency and recovery run is checked: every event delivered exactly once.
+Every relay, latency and recovery run is checked: every event delivered exactly once (a
+recovery trial may copy the killed relay's batch, and only where the broker may hold it).
 Writes JSON (``--out``) and a PNG chart (``--chart``, needs matplotlib: the ``bench`` extra).
 """
 
@@ -52,10 +55,19 @@ from benchmarks import (
 )
 from benchmarks.workload import Servers, code_version, declare_sink, say
 from devenv.servers import PostgresServer, RabbitServer
+from outbox_relay.relay.faults import CRASH_POINTS
 from outbox_relay.relay.settings import RelaySettings
 from outbox_relay.schema import migrate
 
 DEFAULT_BATCH = RelaySettings(database_url="postgresql://", amqp_url="amqp://").batch_size
+
+
+def _points(text: str) -> list[str]:
+    points = [part for part in text.split(",") if part]
+    unknown = [p for p in points if p not in CRASH_POINTS]
+    if unknown or not points:
+        raise argparse.ArgumentTypeError(f"crash points are {', '.join(CRASH_POINTS)}")
+    return points
 
 
 def _ints(text: str) -> list[int]:
@@ -78,7 +90,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--latency-rates", type=_ints, default=[500, 2000], help="offered loads, events/s")
     add("--latency-seconds", type=float, default=20.0, help="measured seconds per load")
     add("--latency-warmup", type=float, default=3.0, help="seconds relayed but not counted")
-    add("--recovery-trials", type=int, default=3)
+    add("--recovery-trials", type=int, default=3, help="kills at each recovery crash point")
+    add("--recovery-points", type=_points, default=None,
+        help="crash points of the recovery trials (default: all: " + ",".join(CRASH_POINTS) + ")")
+    add("--recovery-rate", type=int, default=recovery.RATE,
+        help="events/s offered during the recovery trials")
+    add("--recovery", action="store_true",
+        help="run only the recovery trials (recovery.py): p50 and max by crash point")
     add("--profile", action="store_true",
         help="also run relay x1 under py-spy and report where its time goes")
     add("--soak", type=float, metavar="SECONDS",
@@ -128,7 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.recovery_trials = 1
         args.burst_count, args.burst_events, args.burst_idle = 1, 2000, 1.0
         args.outage_seconds, args.bloat_seconds = 4.0, 6.0
-    args.scenarios = [name for name in ("bursts", "bloat", "outage", "keys")
+    if args.recovery_points is None:  # the smoke run: the demo's point, the likeliest one
+        args.recovery_points = ["after_publish"] if args.smoke else list(CRASH_POINTS)
+    args.scenarios = [name for name in ("bursts", "bloat", "outage", "keys", "recovery")
                       if getattr(args, name)]
     name = "soak" if args.soak else "-".join(args.scenarios) or "bench"
     default = Path("results") / f"{name}.json"
@@ -213,15 +233,9 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
         latency_runs.append(latency.measure(servers, rate, args.latency_seconds,
                                             args.latency_warmup, logdir).as_dict())
 
-    trials: list[recovery.RecoveryTrial] = []
-    attempts = 0
-    while len(trials) < args.recovery_trials and attempts < args.recovery_trials + 3:
-        attempts += 1
-        say(f"recovery trial {len(trials) + 1}/{args.recovery_trials}")
-        found = recovery.trial(servers, logdir, attempts)
-        if found is not None:
-            trials.append(found)
-    seconds = [t.seconds for t in trials]
+    recovered = recovery.run(servers, logdir, points=args.recovery_points,
+                             trials=args.recovery_trials,
+                             rate=args.recovery_rate, say=say)
 
     results: dict[str, Any] = {
         "ceiling": {**_median_entry(ceilings, "publisher"), "window": best,
@@ -236,11 +250,10 @@ def bench(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str,
         "plain_commit": _median_entry(plains, "relay"),
         "batch_sweep": batch_sweep,
         "latency": latency_runs,
-        "recovery": {"trials": [vars(t) for t in trials], "seconds": seconds,
-                     "median_s": sorted(seconds)[(len(seconds) - 1) // 2] if seconds else None,
-                     "max_s": max(seconds) if seconds else None},
+        "recovery": recovered,
         "profile_relay_1_percent": profiled,
-        "exactly_once": "checked after every relay, latency and recovery run",
+        "exactly_once": "checked after every relay and latency run; recovery: copies only of the "
+                        "killed relay's batch, at mid_publish and after_publish",
     }
     return results
 
@@ -270,6 +283,10 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
         results["keys"] = keys.run(servers, logdir, key_counts=args.keys, events=args.events,
                                    batch_size=args.batch_size, rounds=args.rounds, window=window,
                                    drained=args.drained_sink, shuffled=args.shuffled_keys)
+    if args.recovery:
+        results["recovery"] = recovery.run(servers, logdir, points=args.recovery_points,
+                                           trials=args.recovery_trials,
+                                           rate=args.recovery_rate, say=say)
     results["targets"] = report.check_scenarios(results)
     if args.keys:
         results["targets"] += keys.targets(results["keys"])
@@ -320,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     if args.scenarios:
         print(json.dumps(report.without_samples(results), indent=2))
+        if "recovery" in results:
+            print("\n".join(report.recovery_lines(results["recovery"])))
     elif not args.soak:
         print(report.table(results))
     else:

@@ -22,6 +22,7 @@ The resolver sees PostgreSQL and RabbitMQ through two seams, ``PreparedStore`` a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -146,10 +147,22 @@ class Resolver(Loop):
         prepared = self.store.prepared(self.settings.gid_prefix)
         self.metrics.in_doubt.set(len(prepared))
         self.metrics.oldest_age.set(prepared[0].age_seconds if prepared else 0)
-        self._observe_horizon()
-        self._observe_outbox()
         self._reported.keep(xact.gid for xact in prepared)
         self._logged = 0
+        # Decide first, then read the metrics' table-wide queries: a dead relay's batch holds
+        # its rows meanwhile. A scan that fails to decide still refreshes them (what holds
+        # VACUUM back matters most while batches cannot be finished).
+        try:
+            outcomes = self._take_over(prepared)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._observe()
+            raise
+        self._observe()
+        return outcomes
+
+    def _take_over(self, prepared: list[PreparedXact]) -> dict[str, Decision]:
+        """Finish the batches of ``prepared`` whose relay is gone or that passed the limit."""
         locked: list[int] = []
         try:
             candidates = self._candidates(prepared, locked)
@@ -163,6 +176,10 @@ class Resolver(Loop):
             self._log_unlogged()
             for instance in locked:
                 self.store.instance_unlock(self.lock_class, instance)
+
+    def _observe(self) -> None:
+        self._observe_horizon()
+        self._observe_outbox()
 
     def _resolve(self, candidates: list[PreparedXact]) -> dict[str, Decision]:
         """Read the ledger for ``candidates`` and finish each of them."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pika
+import pytest
 
 from outbox_relay import ledger, rabbitmq
+from outbox_relay.errors import TransientError
 from outbox_relay.resolver import ledger as ledger_reader
 from tests.conftest import Env
 
@@ -69,3 +72,22 @@ def test_marker_read_survives_records_arriving_behind_the_marker(env: Env) -> No
         appender.join(10)
         if conn.is_open:
             conn.close()
+
+
+def test_a_ledger_deleted_under_the_resolver_fails_its_read_at_once(env: Env) -> None:
+    """A marker the broker cannot route fails the read at once, not after the read timeout
+    (30 s here): the resolver reconnects, declares the ledger again and scans again."""
+    reader = ledger_reader.AmqpLedger(env.amqp_url, stream=env.ledger_stream, max_age="7D",
+                                      read_timeout=30, connect_timeout=10)
+    reader.connect()
+    try:
+        conn, channel = env.amqp_channel()
+        channel.queue_delete(env.ledger_stream)  # the exchange stays: the marker is unroutable
+        conn.close()
+        started = time.monotonic()
+        with pytest.raises(TransientError):
+            reader.committed(KEY, datetime.now(timezone.utc), {}, on_progress=lambda: None,
+                             on_rejected=lambda _r: None)
+        assert time.monotonic() - started < 10
+    finally:
+        reader.close()

@@ -13,7 +13,7 @@ import pytest
 from outbox_relay import ledger
 from outbox_relay.errors import TransientError
 from outbox_relay.gid import Gid, lock_class
-from outbox_relay.model import PreparedXact, SessionRole
+from outbox_relay.model import HorizonHolder, PreparedXact, SessionRole
 from outbox_relay.resolver import worker
 from outbox_relay.resolver.metrics import ResolverMetrics
 from outbox_relay.resolver.settings import ResolverSettings
@@ -271,6 +271,60 @@ def test_a_failed_ledger_read_decides_nothing_and_frees_the_locks(world: World) 
 
     assert xact.gid in world.cluster.prepared
     assert world.cluster.locks == {}
+
+
+class OrderedStore(FakePreparedStore):
+    """Notes the order of the finish and of the metrics' table-wide queries."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        super().__init__(cluster)
+        self.calls: list[str] = []
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        self.calls.append("finish")
+        return super().finish(gid, commit=commit)
+
+    def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:
+        self.calls.append("xmin_horizon")
+        return {"outbox_prepared": HorizonHolder(3, 1.0)} if self.cluster.prepared else {}
+
+    def outbox_stats(self) -> tuple[int, float]:
+        self.calls.append("outbox_stats")
+        return super().outbox_stats()
+
+
+def test_a_dead_relays_batch_is_finished_before_the_metrics_queries(world: World) -> None:
+    """The takeover comes first in a scan: the horizon and backlog queries (table-wide, up to
+    tens of milliseconds on a busy server) wait until the batch is finished."""
+    world.batch(0xA)
+    store = OrderedStore(world.cluster)
+    resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
+                                         amqp_url="amqp://x@h/%2F"), metrics=ResolverMetrics(),
+                        store=store, ledger=world.ledger)
+
+    resolver.resolve_once()
+
+    assert store.calls == ["finish", "xmin_horizon", "outbox_stats"]
+    # The metrics say what is left after the scan: nothing of ours holds VACUUM back.
+    assert resolver.metrics.registry.get_sample_value(
+        "outbox_xmin_horizon_age_transactions", {"holder": "outbox_prepared"}) == 0
+
+
+def test_a_scan_that_cannot_decide_still_refreshes_the_metrics(world: World) -> None:
+    """A ledger that fails every read leaves batches in doubt: what they hold back must show."""
+    world.batch(0xA)
+    world.ledger.failures.append(TransientError("ledger read made no progress"))
+    store = OrderedStore(world.cluster)
+    resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
+                                         amqp_url="amqp://x@h/%2F"), metrics=ResolverMetrics(),
+                        store=store, ledger=world.ledger)
+
+    with pytest.raises(TransientError, match="no progress"):
+        resolver.resolve_once()
+
+    assert store.calls == ["xmin_horizon", "outbox_stats"]
+    assert resolver.metrics.registry.get_sample_value(
+        "outbox_xmin_horizon_age_transactions", {"holder": "outbox_prepared"}) == 3
 
 
 def test_the_loop_retries_a_failed_scan_and_says_when_it_recovered(

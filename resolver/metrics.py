@@ -60,6 +60,16 @@ class ResolverMetrics:
             "alone, by reason (gid: not a gid a relay makes; owner: prepared by a role that "
             "cannot read the ledger key); they hold their locks and VACUUM until someone "
             "finishes them by hand", ["reason"], registry=r)
+        self.server_prepared = Gauge(
+            "outbox_server_prepared_transactions",
+            "Prepared transactions of the whole PostgreSQL server, of every database, role and "
+            "gid (the relays' in flight included): they take the server's "
+            "max_prepared_transactions slots, and with every slot taken no relay can PREPARE",
+            registry=r)
+        self.server_prepared_slots = Gauge(
+            "outbox_server_max_prepared_transactions",
+            "The server's max_prepared_transactions: its prepared-transaction slots",
+            registry=r)
         self.holding_vacuum = Gauge(
             "outbox_prepared_holding_vacuum_age_seconds",
             "Age of our oldest prepared transaction (of this gid prefix, foreign ones included) "

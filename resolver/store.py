@@ -44,6 +44,13 @@ def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, Horizo
             for holder, xid_age, age_seconds in rows}
 
 
+def prepared_slots(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(prepared transactions of the whole server, max_prepared_transactions)."""
+    row = conn.execute(Tables("outbox").query("prepared_slots")).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 class PostgresPreparedStore:
     """One autocommit session of the resolver (the ``PreparedStore`` of resolver/worker.py)."""
 
@@ -134,6 +141,10 @@ class PostgresPreparedStore:
     @postgres.translated
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:
         return xmin_horizon(self._session, prefix)
+
+    @postgres.translated
+    def prepared_slots(self) -> tuple[int, int]:
+        return prepared_slots(self._session)
 
     @postgres.translated
     def outbox_stats(self) -> tuple[int, float]:

@@ -75,6 +75,9 @@ class PreparedStore(Protocol):
     def instance_unlock(self, lock_class: int, instance: int) -> None: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]: ...
+    def prepared_slots(self) -> tuple[int, int]:
+        """(prepared transactions of the whole server, max_prepared_transactions)."""
+        ...
     def outbox_stats(self) -> tuple[int, float]: ...
     def blocked_keys(self) -> int: ...
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
@@ -179,7 +182,15 @@ class Resolver(Loop):
 
     def _observe(self) -> None:
         self._observe_horizon()
+        self._observe_slots()
         self._observe_outbox()
+
+    def _observe_slots(self) -> None:
+        """Export how many of the server's prepared-transaction slots are taken, by anyone:
+        with every one taken, no relay can PREPARE (OutboxPreparedTransactionSlotsFull)."""
+        used, slots = self.store.prepared_slots()
+        self.metrics.server_prepared.set(used)
+        self.metrics.server_prepared_slots.set(slots)
 
     def _resolve(self, candidates: list[PreparedXact]) -> dict[str, Decision]:
         """Read the ledger for ``candidates`` and finish each of them."""

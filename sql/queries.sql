@@ -583,6 +583,15 @@ SELECT holder, max(xid_age)::bigint AS xid_age, max(age_seconds) AS age_seconds
 FROM holders
 GROUP BY holder;
 
+-- name: prepared_slots
+-- The server's prepared transactions, of every database and role, against
+-- max_prepared_transactions: the slots are the server's, and once every one is taken each
+-- relay's PREPARE TRANSACTION fails (53200, "maximum number of prepared transactions reached")
+-- and nothing is published until one is freed. Any role may PREPARE, in any database: another
+-- application's two-phase commit, a forgotten test, a hostile role. Shared memory only.
+SELECT count(*)::int AS used, current_setting('max_prepared_transactions')::int AS slots
+FROM pg_prepared_xacts;
+
 -- name: dead_letter_list
 -- `outbox-relay dead-letter list` and `discard`: the oldest dead letters first, with how many
 -- match in all. Each filter applies when given, and a NULL one matches every row: the ids, the

@@ -244,3 +244,31 @@ def metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match, f"{name} not served:\n{text}"
     return float(match.group(1))
+
+
+def test_the_servers_prepared_transaction_slots_are_exported(env: Env, stranger: str) -> None:
+    """Any role, in any database, may take the server's prepared-transaction slots, and with
+    every one taken no relay can PREPARE: the resolver exports how many are taken, whoever
+    holds them (here a role with no grant, in another database), and how many there are."""
+    elsewhere = make_conninfo(stranger, dbname="postgres")
+    gids = [f"slot-{env.gid_prefix}-{n}" for n in range(3)]
+    port = free_port()
+    resolver = env.spawn("resolver", OUTBOX_RESOLVER_INTERVAL="0.2", OUTBOX_METRICS_PORT=str(port),
+                         OUTBOX_METRICS_HOST="127.0.0.1")
+    try:
+        wait_until(lambda: "resolver_started" in log_of(resolver), 30, "the resolver to start")
+        with env.connect() as conn:
+            slots = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])  # type: ignore[index]
+        wait_until(lambda: metric(scrape(port), "outbox_server_max_prepared_transactions") == slots,
+                   10, "the slots to be exported")
+        for gid in gids:
+            prepare_foreign(elsewhere, gid)
+        # >=: a server shared with other test runs (OUTBOX_TEST_DATABASE_URL) has theirs too.
+        wait_until(lambda: metric(scrape(port), "outbox_server_prepared_transactions") >= len(gids),
+                   10, "the other database's prepared transactions to be counted")
+    finally:
+        with psycopg.connect(make_conninfo(env.db_url, dbname="postgres"), autocommit=True) as conn:
+            for gid in gids:
+                if conn.execute("SELECT FROM pg_prepared_xacts WHERE gid = %s", (gid,)).fetchone():
+                    conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        assert stop(resolver) == 0, log_of(resolver)

@@ -609,6 +609,7 @@ class FakeCluster:
         self.locks: dict[tuple[int, int], str] = {}  # (class, instance) -> holding session
         self.finished: list[tuple[str, bool, str]] = []  # (gid, commit, by session)
         self.horizon: dict[str, HorizonHolder] = {}
+        self.max_prepared = 64  # max_prepared_transactions
         self.stats: tuple[int, float] | DatabaseError = (0, 0.0)
         self._xid = 1000
 
@@ -696,6 +697,10 @@ class FakePreparedStore:
 
     def xmin_horizon(self, prefix: str) -> dict[str, HorizonHolder]:
         return dict(self._session().horizon)
+
+    def prepared_slots(self) -> tuple[int, int]:
+        cluster = self._session()
+        return len(cluster.prepared), cluster.max_prepared
 
     def outbox_stats(self) -> tuple[int, float]:
         stats = self._session().stats

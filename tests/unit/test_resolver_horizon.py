@@ -64,3 +64,19 @@ def test_a_sessions_open_transaction_is_exported_in_seconds(
 ) -> None:
     metrics = observe(monkeypatch, holders)
     assert value(metrics, "outbox_session_transaction_age_seconds") == age
+
+
+def test_the_servers_prepared_transaction_slots_are_exported_whoever_holds_them() -> None:
+    """Every prepared transaction takes one of the server's slots: ours, foreign ones of our
+    prefix and other prefixes alike."""
+    cluster = FakeCluster()
+    cluster.max_prepared = 10
+    for gid in ("other-app:1", "outbox:ffffffff:1"):
+        cluster.prepare(gid, owner="someone")
+    metrics = ResolverMetrics()
+    resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
+                                         amqp_url="amqp://x@h/%2F"), metrics=metrics,
+                        store=FakePreparedStore(cluster), ledger=FakeLedger(cluster))
+    resolver.resolve_once()
+    assert value(metrics, "outbox_server_prepared_transactions") == 2
+    assert value(metrics, "outbox_server_max_prepared_transactions") == 10

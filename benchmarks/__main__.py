@@ -17,8 +17,9 @@ In one run, on a PostgreSQL and a RabbitMQ of its own, it measures:
 - peak RSS of every relay process; ``--soak SECONDS`` instead runs the memory soak.
 
 The long scenarios run only when asked for, alone or together (their own JSON):
-``--bursts`` (about 25 minutes), ``--outage`` (about 8), ``--bloat`` (about 12),
-``--recovery`` (about 3: only the recovery trials, 5 with ``--recovery-trials 5``); with
+``--bursts`` (about 25 minutes), ``--outage`` (about 8), ``--bloat`` (about 12; ``--snapshot
+MINUTES`` holds its snapshot that long), ``--recovery`` (about 3: only the recovery trials, 5
+with ``--recovery-trials 5``); with
 ``--smoke`` each takes seconds.
 
 Every relay, latency and recovery run is checked: every event delivered exactly once (a
@@ -115,6 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--bloat", action="store_true",
         help="run the snapshot-held-open scenario (bloat.py) instead of the benchmark")
     add("--bloat-seconds", type=float, default=600.0, help="how long the snapshot is held")
+    add("--snapshot", type=float, metavar="MINUTES",
+        help="run the snapshot-held-open scenario with the snapshot held MINUTES (--bloat "
+        "--bloat-seconds 60*MINUTES): p50/p99 by minute, the table's size before, at the "
+        "snapshot's end and after one VACUUM")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
@@ -139,13 +144,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, help="JSON results (default: results/bench.json or soak.json)")
     add("--chart", type=Path, help="PNG chart (default: next to --out); 'none' for no chart")
     args = parser.parse_args(argv)
+    if args.snapshot is not None:
+        args.bloat, args.bloat_seconds = True, args.snapshot * 60
     if args.smoke:
         args.events, args.rounds, args.sweep_events = 2000, 1, 1000
         args.windows, args.batch_sizes = [100, 1000], [100, 500]
         args.latency_rates, args.latency_seconds, args.latency_warmup = [500, 2000], 1.5, 0.5
         args.recovery_trials = 1
         args.burst_count, args.burst_events, args.burst_idle = 1, 2000, 1.0
-        args.outage_seconds, args.bloat_seconds = 4.0, 6.0
+        args.outage_seconds = 4.0
+        args.bloat_seconds = 6.0 if args.snapshot is None else args.bloat_seconds
     if args.recovery_points is None:  # the smoke run: the demo's point, the likeliest one
         args.recovery_points = ["after_publish"] if args.smoke else list(CRASH_POINTS)
     args.scenarios = [name for name in ("bursts", "bloat", "outage", "keys", "recovery")
@@ -274,6 +282,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
             hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
             bucket=60.0 if args.bloat_seconds >= 120 else 2.0)
+        bloat.print_table(results["bloat"])
     if args.outage:
         results["outage"] = outage.run(
             servers, rabbit, logdir, rate=rate, warm=min(30.0, args.outage_seconds),

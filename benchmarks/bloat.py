@@ -8,7 +8,11 @@ the run goes on for ``tail`` seconds. Per bucket (a minute by default), by commi
 end-to-end latency p50 / p99 / max (producer COMMIT to consumer receipt), and the claim's
 walk: the fresh branch of the claim (its index scan in id order to the first due rows, with
 the claim session's settings, without taking locks, so it never competes with the relay)
-timed every second, with the dead tuples the table holds.
+timed every second, with the dead tuples the table holds, and the buffers of the outbox every
+other session touched per event (the claims' work, whatever the machine's load). The table's
+size (relpages, the heap's and each index's bytes, n_dead_tup) is read before the snapshot, at
+its end, and after one plain VACUUM run once the snapshot is released (what an autovacuum
+does): whether the table comes back to its size before or stays bloated for good.
 """
 
 from __future__ import annotations
@@ -32,18 +36,52 @@ _WALK = """
 SELECT id FROM outbox WHERE attempts <= 0 AND available_at <= now() ORDER BY id LIMIT 2000
 """
 _DEAD = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass"
+# Buffers every session touched in the outbox and its indexes so far (hit or read): the work of
+# the claims (and of the producer's inserts, the stats queries, this probe's walk, which is
+# subtracted), whatever the machine's load. Backends report it at most every second or so.
+_BUFFERS = """
+SELECT heap_blks_hit + heap_blks_read + coalesce(idx_blks_hit, 0) + coalesce(idx_blks_read, 0)
+FROM pg_statio_user_tables WHERE relid = 'outbox'::regclass
+"""
+# The table's size: pages, heap and index bytes, dead tuples (the statistics lag a little).
+_SIZE = """
+SELECT c.relpages, pg_relation_size(c.oid),
+       (SELECT coalesce(jsonb_object_agg(i.indexrelid::regclass::text,
+                                         pg_relation_size(i.indexrelid)), '{}'::jsonb)
+        FROM pg_index AS i WHERE i.indrelid = c.oid),
+       (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = c.oid)
+FROM pg_class AS c WHERE c.oid = 'outbox'::regclass
+"""
 
 
-def _probe(db_url: str, stop: threading.Event, out: list[tuple[float, float, int]]) -> None:
-    """Every second: (monotonic time, walk ms, dead tuples)."""
+def table_size(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """relpages, heap bytes, each index's bytes and their sum, n_dead_tup of the outbox."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")  # fresh statistics on every read
+    row: Any = conn.execute(_SIZE).fetchone()
+    return {"relpages": row[0], "heap_bytes": row[1], "index_bytes": row[2],
+            "index_bytes_total": sum(row[2].values()), "n_dead_tup": row[3]}
+
+
+Probe = tuple[float, float, int, int]
+
+
+def _probe(db_url: str, stop: threading.Event, out: list[Probe]) -> None:
+    """Every second: (monotonic time, walk ms, dead tuples, buffers of the outbox touched so
+    far by every session but this one)."""
+    walked = 0
     with psycopg.connect(db_url, autocommit=True) as conn:
         store.claim_session(conn)
         while not stop.wait(1.0):
             started = time.monotonic()
-            conn.execute(_WALK).fetchall()
+            plan: Any = conn.execute("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) "
+                                     + _WALK).fetchone()
             ms = (time.monotonic() - started) * 1000
+            top = plan[0][0]["Plan"]
+            walked += top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+            conn.execute("SELECT pg_stat_clear_snapshot()")
             row: Any = conn.execute(_DEAD).fetchone()
-            out.append((started, ms, int(row[0])))
+            touched: Any = conn.execute(_BUFFERS).fetchone()
+            out.append((started, ms, int(row[0]), int(touched[0]) - walked))
 
 
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
@@ -52,7 +90,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     consumer = Consumer(servers, "bloat")
     programs = [processes.resolver(servers, logdir, "bloat-resolver"),
                 processes.relay(servers, logdir, "bloat-relay")]
-    probes: list[tuple[float, float, int]] = []
+    probes: list[Probe] = []
     stop = threading.Event()
     prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes), daemon=True)
     try:
@@ -62,13 +100,21 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
         origin = time.monotonic()
         prober.start()
         time.sleep(warm)
+        with psycopg.connect(servers.db_url, autocommit=True) as sizer:
+            sizes = {"before": table_size(sizer)}
         with psycopg.connect(servers.db_url) as holder:
             holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM outbox").fetchone()  # the snapshot is taken
             say(f"bloat: a snapshot is held open for {hold:g} s")
             time.sleep(hold)
+            with psycopg.connect(servers.db_url, autocommit=True) as sizer:
+                sizes["snapshot_end"] = table_size(sizer)
             holder.commit()
-        say("bloat: snapshot released")
+        say("bloat: snapshot released; one VACUUM")
+        with psycopg.connect(servers.db_url, autocommit=True) as sizer:
+            sizer.execute("VACUUM outbox")
+            time.sleep(1.0)  # the statistics collector reports the VACUUM
+            sizes["after_vacuum"] = table_size(sizer)
         produced = producer.result()
         received = consumer.wait_for(range(produced.count), timeout=120)
     finally:
@@ -77,20 +123,23 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             program.stop()
         final = consumer.stop()
     final.check_exactly_once(produced.count, servers.db_url, "bloat run")
-    return summarize(list(produced.commit_at), list(received.arrived_at), probes, origin,
-                     warm=warm, hold=hold, bucket=bucket, rate=rate)
+    summary = summarize(list(produced.commit_at), list(received.arrived_at), probes, origin,
+                        warm=warm, hold=hold, bucket=bucket, rate=rate)
+    return {**summary, "table_size": sizes}
 
 
 def summarize(commit_at: list[float], arrived_at: list[float],
-              probes: list[tuple[float, float, int]], origin: float, *, warm: float,
+              probes: list[Probe], origin: float, *, warm: float,
               hold: float, bucket: float, rate: int) -> dict[str, Any]:
     buckets: dict[int, list[float]] = {}
     for seq, committed in enumerate(commit_at):
         buckets.setdefault(int((committed - origin) // bucket), []).append(
             (arrived_at[seq] - committed) * 1000)
     walks: dict[int, list[tuple[float, int]]] = {}
-    for at, ms, dead in probes:
+    touched: dict[int, int] = {}  # buffers touched by the end of each bucket
+    for at, ms, dead, buffers in probes:
         walks.setdefault(int((at - origin) // bucket), []).append((ms, dead))
+        touched[int((at - origin) // bucket)] = buffers
     rows: list[dict[str, Any]] = []
     for index in sorted(buckets):
         latency = sorted(buckets[index])
@@ -104,7 +153,25 @@ def summarize(commit_at: list[float], arrived_at: list[float],
             "claim_walk_ms_median": round(statistics.median(walk), 2) if walk else None,
             "claim_walk_ms_max": round(walk[-1], 2) if walk else None,
             "dead_tuples_end": max((d for _m, d in walks.get(index, [])), default=None),
+            "outbox_buffers_per_event": (
+                round((touched[index] - touched[index - 1]) / len(latency), 1)
+                if index in touched and index - 1 in touched else None),
         })
     return {"offered_events_per_s": rate, "warm_s": warm, "snapshot_held_s": hold,
             "bucket_s": bucket, "by_bucket": rows,
             "worst_p99_ms": max(r["p99_ms"] for r in rows)}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """p50 and p99 by bucket, then the table's size, on stderr (say) as the run ends."""
+    bucket = result["bucket_s"]
+    say(f"snapshot held {result['snapshot_held_s']:g} s at {result['offered_events_per_s']} "
+        f"events/s; by {bucket:g} s of commit time:")
+    for row in result["by_bucket"]:
+        held = "held" if row["snapshot_held"] else "    "
+        say(f"  {row['from_s']:7.0f} s {held}  p50 {row['p50_ms']:7.2f} ms  "
+            f"p99 {row['p99_ms']:7.2f} ms  max {row['max_ms']:8.2f} ms  "
+            f"dead {row['dead_tuples_end']}  buffers/event {row['outbox_buffers_per_event']}")
+    for moment, size in result["table_size"].items():
+        say(f"  {moment}: relpages {size['relpages']}, heap {size['heap_bytes']:,} B, "
+            f"indexes {size['index_bytes_total']:,} B, n_dead_tup {size['n_dead_tup']}")

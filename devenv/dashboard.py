@@ -148,7 +148,8 @@ PANELS = [
     Panel("Oldest transaction of another session",
           "Age of the oldest open transaction or snapshot of another client session in the "
           "outbox's database. While it lives VACUUM removes no outbox row deleted after it began, "
-          "and every claim walks the dead rows: latency grows by the minute. The red line is "
+          "and the table grows by the minute (a claim starts past them, from the relay's "
+          "low-water mark; the once-a-second look from its floor reads them). The red line is "
           f"OutboxVacuumHeldBySession's level ({SESSION_ALERT} s).",
           [(f"max by ({BY}) ({m('outbox_session_transaction_age_seconds')})",
             _legend("namespace", "job"))], unit="s", threshold=SESSION_ALERT),

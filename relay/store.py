@@ -35,6 +35,7 @@ from outbox_relay.postgres import (
     warn_key_readers,
     warn_unchecked,
 )
+from outbox_relay.relay.marks import ClaimMarks
 from outbox_relay.rules import DEFAULT_MAX_MESSAGE_BYTES
 from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
@@ -51,11 +52,16 @@ from outbox_relay.tables import Tables
 #   linear in the batch, and a plan built on an empty table would otherwise read the whole
 #   table, testing each row against the batch's id array. Not for the stats, whose count
 #   needs a full pass anyway (and would be JIT-compiled under the disabled scan's huge cost).
+# - Bitmap scans off in the claim session: the claim walks the primary key from the relay's
+#   mark (relay/marks.py), and a bitmap scan of "id > mark" reads and sorts every row above
+#   it, the whole backlog, before its LIMIT (a generic plan chose one, test_plans.py); an
+#   index scan stops after the batch.
 # - JIT off there too: a plan's cost is an estimate from stale statistics, and the claim's
 #   per-key probes (queries.sql) can be costed far above jit_above_cost on a table believed
 #   empty; compiling then took a second per claim (measured), for a statement that runs in
 #   milliseconds.
 CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
+                       "set_config('enable_bitmapscan', 'off', false), "
                        "set_config('jit', 'off', false)")
 
 # Bytes a row may hold besides its payload (headers, text columns) and still be fetched. A row
@@ -152,6 +158,12 @@ class OutboxStore:
         self._create_checked = False
         self._key_readers_checked = False
         self._claim = self.tables.query("claim")
+        self._claim_writers = self.tables.query("claim_writers")
+        self._claim_frontier = self.tables.query("claim_frontier")
+        # Where each claim's walk starts (relay/marks.py); whether the open claim holds rows,
+        # which come back below the mark if it is rolled back.
+        self.marks = ClaimMarks()
+        self._claim_holds_rows = False
         self._claim_lock = (self.tables.query("claim_lock"), self.tables.query("claim_unlock"),
                             {"key": claim_lock_key(table)})
         # Rows asked for per claim while the byte budget binds: about twice what fit last time,
@@ -188,6 +200,10 @@ class OutboxStore:
                                            application_name=self._application_name)
         self._conn = without_prepare(conn)
         self._claim = self.tables.query("claim")
+        self._claim_writers = self.tables.query("claim_writers")
+        self._claim_frontier = self.tables.query("claim_frontier")
+        self.marks.restart()
+        self._claim_holds_rows = False
         check_server(self._conn, self.tables)
         check_schema(self._conn, self.tables)
         if self._standby_wait:
@@ -234,6 +250,8 @@ class OutboxStore:
             try:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                     conn.execute("ROLLBACK")
+                    if conn is self._claim_conn:
+                        self._claim_abandoned()
             except psycopg.Error:
                 self.close()
                 return
@@ -252,25 +270,39 @@ class OutboxStore:
         """
         asked = min(limit, self._fitting or limit)
         conn = self.claim_conn
+        after, full = self.marks.start()
+        floor = self.marks.floor
         conn.execute("BEGIN")
         lock, unlock, key = self._claim_lock
         try:
             # One claim of this table at a time (queries.sql, claim_lock): lock, claim and
-            # unlock are sent together, so the server never holds the lock waiting on us.
-            # prepare=False: never a cached generic plan (CLAIM_SESSION_SETUP, queries.sql).
+            # unlock are sent together, so the server never holds the lock waiting on us. The
+            # writers are read before the claim's snapshot, its frontier after its deletes
+            # (relay/marks.py). prepare=False: never a cached generic plan
+            # (CLAIM_SESSION_SETUP, queries.sql).
             with conn.pipeline(), conn.cursor(binary=True) as cur:
                 conn.execute(lock, key, prepare=False)
+                writers = conn.execute(self._claim_writers, prepare=False)
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
                     "max_row_bytes": max_message_bytes + ROW_HEADROOM,
-                    "one_row_at_least": one_row_at_least}, prepare=False)
+                    "one_row_at_least": one_row_at_least, "after": after, "floor": floor},
+                    prepare=False)
+                frontier = conn.execute(self._claim_frontier, {
+                    "after": after, "floor": floor, "full": full}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
+                writers_row, frontier_row = writers.fetchone(), frontier.fetchone()
         except BaseException:
             conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along
             raise
         rows = sorted((OutboxRow(*row) for row in fetched_rows), key=lambda r: r.id)
+        assert writers_row is not None and frontier_row is not None
+        self._claim_holds_rows = bool(rows)
+        self.marks.observe(after=after, full=full, writers=writers_row[0],
+                           claimed=[(r.id, r.attempts <= 0) for r in rows],
+                           waiting=frontier_row[0], first=frontier_row[1])
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:
@@ -302,6 +334,13 @@ class OutboxStore:
     def rollback(self) -> None:
         """End a claim that found nothing (or is abandoned) without preparing it."""
         self.claim_conn.execute("ROLLBACK")
+        self._claim_abandoned()
+
+    def _claim_abandoned(self) -> None:
+        """The open claim was rolled back: its rows, if any, are back below the mark."""
+        if self._claim_holds_rows:
+            self.marks.rewind()
+        self._claim_holds_rows = False
 
     @translated
     def prepare(self, gid: str) -> int:
@@ -317,7 +356,9 @@ class OutboxStore:
         cur.nextset()
         # A transaction that already failed answers "ROLLBACK" without an error.
         if cur.statusmessage != "PREPARE TRANSACTION" or row is None:
+            self._claim_abandoned()
             raise TransientError(f"PREPARE TRANSACTION answered {cur.statusmessage!r}")
+        self._claim_holds_rows = False  # the batch's outcome decides now (finish)
         if self._standby_wait:
             self._wait_for_standby(gid)
         return int(row[0])
@@ -345,6 +386,7 @@ class OutboxStore:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         finish_prepared(self.conn, gid, commit=False)
+        self.marks.rewind()  # its rows are back
         raise StandbyWaitTimeout(
             f"standby {self._standby_wait!r} did not flush past the claim within "
             f"{self._standby_wait_timeout:g} s (OUTBOX_STANDBY_WAIT); batch rolled back")
@@ -352,7 +394,10 @@ class OutboxStore:
     @translated
     def finish(self, gid: str, *, commit: bool) -> bool:
         """Step 5 (or the failure path): False if someone else already finished it."""
-        return finish_prepared(self.conn, gid, commit=commit)
+        done = finish_prepared(self.conn, gid, commit=commit)
+        if not (done and commit):
+            self.marks.rewind()  # its rows are back (or may be: a resolver's rollback)
+        return done
 
     @translated
     def settle_failed(

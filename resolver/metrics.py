@@ -79,8 +79,8 @@ class ResolverMetrics:
         self.session_transaction_age = Gauge(
             "outbox_session_transaction_age_seconds",
             "Age of the oldest open transaction or snapshot of another client session in this "
-            "database: while it lives VACUUM removes no outbox row deleted after it began, and "
-            "each claim walks the dead rows (OutboxVacuumHeldBySession); 0 while there is none",
+            "database: while it lives VACUUM removes no outbox row deleted after it began, and the "
+            "table grows (OutboxVacuumHeldBySession); 0 while there is none",
             registry=r)
         self.horizon_age = Gauge(
             "outbox_xmin_horizon_age_transactions",

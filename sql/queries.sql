@@ -78,11 +78,24 @@
 -- made a claim with few keys, all held, read the whole backlog (measured: 53 ms a claim over
 -- 50,000 rows); the look stops at three batches instead, and rows beyond it wait for the
 -- next claim.
--- What a claim still reads beyond its batch: due rows are found in id order, so rows that
--- are not due (a producer's future available_at, rows waiting for a retry, rows of a key held
--- back, below) and dead index entries that VACUUM may not remove yet (a long snapshot
--- elsewhere) ahead of the first due row are stepped over at every claim (see the README,
--- Performance).
+-- Where the look starts: after %(after)s, the relay's low-water mark (relay/marks.py), and
+-- where each key's head is looked for: after %(floor)s, below which no row is left. A head is
+-- read as the first entry of outbox_key_idx in the range (key, floor) < (ordering_key, id) <=
+-- (key, this row's id): row comparisons, which only that index can serve, with no equality on
+-- the key (an equality let the planner drop the key from the ORDER BY and read the head through
+-- the primary key in id order, filtered by key: from the floor on, or, given a plain
+-- id > floor, every row above it once per keyed row: 5,000 to 208,000 buffers a claim in the
+-- generic plans of test_plans.py).
+-- Dead index entries that VACUUM may not remove yet (a snapshot held elsewhere keeps every row
+-- deleted after it) pile up in front of the due rows; a look from the start of the primary key
+-- walked all of them at every claim (p99 13 -> 85 ms over 10 minutes of a held snapshot at 500
+-- events/s, docs/performance.md). From the mark, it walks what was claimed since the mark last
+-- moved: about a batch or two. Rows below the mark that come back (a rolled-back batch, a late
+-- producer commit, a delayed row now due, a key freed) are found by the relay's periodic look
+-- from its floor; the head reads start at the floor for the same reason (a key's dead entries
+-- would be walked once per probe). What a claim still reads beyond its batch: rows that are not due (a
+-- producer's future available_at, rows waiting for a retry, rows of a key held back, below)
+-- between the mark and the first due row are stepped over.
 --
 -- Per-key order (docs/protocol.md): a row with an ordering_key is claimed only when every
 -- older row of its key is gone (published and committed) or claimed in this same batch. A row
@@ -125,7 +138,9 @@ WITH live AS MATERIALIZED (
                             OR row_bytes > %(max_row_bytes)s)
                        AND (ordering_key IS NULL
                             OR ((SELECT h.id FROM {outbox} AS h
-                                 WHERE h.ordering_key = o.ordering_key
+                                 WHERE h.ordering_key IS NOT NULL
+                                   AND (h.ordering_key, h.id) > (o.ordering_key, %(floor)s)
+                                   AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
                                  ORDER BY h.ordering_key, h.id LIMIT 1) = o.id
                                 AND NOT EXISTS (SELECT FROM {dead_letter} AS d
                                                 WHERE d.ordering_key = o.ordering_key)))
@@ -159,10 +174,15 @@ WITH live AS MATERIALIZED (
                                                       SELECT h.id, h.attempts, h.available_at, h.xmax
                                                       FROM {outbox} AS h
                                                       WHERE o.ordering_key IS NOT NULL
-                                                        AND h.ordering_key = o.ordering_key
+                                                        AND h.ordering_key IS NOT NULL
+                                                        AND (h.ordering_key, h.id)
+                                                            > (o.ordering_key, %(floor)s)
+                                                        AND (h.ordering_key, h.id)
+                                                            <= (o.ordering_key, o.id)
                                                       ORDER BY h.ordering_key, h.id LIMIT 1) AS head
                                                       ON true
-                                                  WHERE o.attempts <= 0 AND o.available_at <= now()
+                                                  WHERE o.id > %(after)s
+                                                    AND o.attempts <= 0 AND o.available_at <= now()
                                                     AND (o.xmax = '0'::xid
                                                          OR NOT (o.xmax = ANY((SELECT xids FROM live)::xid[])
                                                                  OR age(o.xmax) BETWEEN 1
@@ -238,6 +258,50 @@ UNION ALL
 SELECT id, message_id, '', '', NULL, '\x'::bytea, false, '{{}}', NULL, 0::float8, '',
        least(attempts, 2147483646) + 1, 0::bigint, reason, NULL, NULL
 FROM oversized;
+
+-- name: claim_writers
+-- Step 1, first statement (before the claim's snapshot): the transactions that hold the
+-- outbox's RowExclusiveLock, the lock every INSERT, UPDATE and DELETE of it takes before it
+-- touches a row (a producer's INSERT has it before its row gets an id), this session's
+-- excepted. Any row id the claim cannot see yet (an INSERT not committed) belongs to one of
+-- them: the relay moves its low-water mark past such an id only once they have all ended
+-- (store.py, ClaimMarks). A transaction holding a snapshot without writing the outbox (a
+-- report, a slot) is not among them. pg_locks is readable by every role.
+SELECT coalesce(array_agg(virtualtransaction::text), '{{}}'::text[])
+FROM pg_catalog.pg_locks
+WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
+  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+  AND mode = 'RowExclusiveLock' AND pid IS DISTINCT FROM pg_backend_pid();
+
+-- name: claim_frontier
+-- Step 1, after the claim, in its transaction (its own deletes are gone from view): where the
+-- relay's marks may move (store.py, ClaimMarks). waiting: the first row after %(after)s that
+-- a claim would take if no one held it (due, fresh, its key's head fresh and due, no dead
+-- letter of its key): rows of a batch in flight or in doubt, of a claim made ahead, of a key
+-- held by a batch in flight; the mark stays below it. first, only when %(full)s (an InitPlan
+-- runs only if its CASE branch is taken): the first row after %(after)s at all, due or not,
+-- held back for long or not, waiting for its retry or not (it may be a key's head: the head
+-- reads start at the floor), or the id a keyed dead letter gets back when it is requeued
+-- (dead_letter_requeue), whichever is lower; the floor stays below it. Both walk the primary
+-- key from %(after)s, the range the claim walked (and first reads the dead-letter table, once
+-- a full look).
+SELECT (SELECT o.id FROM {outbox} AS o
+        WHERE o.id > %(after)s AND o.attempts <= 0 AND o.available_at <= now()
+          AND (o.ordering_key IS NULL
+               OR ((SELECT h.attempts <= 0 AND h.available_at <= now() FROM {outbox} AS h
+                    WHERE h.ordering_key IS NOT NULL
+                      AND (h.ordering_key, h.id) > (o.ordering_key, %(floor)s)
+                      AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
+                    ORDER BY h.ordering_key, h.id LIMIT 1)
+                   AND NOT EXISTS (SELECT FROM {dead_letter} AS d
+                                   WHERE d.ordering_key = o.ordering_key)))
+        ORDER BY o.id LIMIT 1) AS waiting,
+       CASE WHEN %(full)s THEN
+           least((SELECT o.id FROM {outbox} AS o
+                  WHERE o.id > %(after)s
+                  ORDER BY o.id LIMIT 1),
+                 (SELECT min(d.outbox_id) FROM {dead_letter} AS d
+                  WHERE d.ordering_key IS NOT NULL AND d.outbox_id > %(after)s)) END AS first;
 
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim

@@ -44,7 +44,8 @@ from outbox_relay.tables import Tables
 
 SHAPES = ("none", "keys", "headers", "trace", "ids")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
-                "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True}
+                "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True,
+                "after": 0, "floor": 0}
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 

@@ -103,10 +103,11 @@ class Statement:
         """Execute once (rolled back): the generic plan is built now, in the current state."""
         self._execute("", params)
 
-    def explain(self, params: dict[str, Any]) -> dict[str, Any]:
+    def explain(self, params: dict[str, Any], *, buffers: bool = False) -> dict[str, Any]:
         """EXPLAIN ANALYZE of the cached plan (rolled back), checked to be the generic one."""
         before = self._plans()
-        rows = self._execute("EXPLAIN (ANALYZE, FORMAT JSON) ", params)
+        options = "ANALYZE, BUFFERS, FORMAT JSON" if buffers else "ANALYZE, FORMAT JSON"
+        rows = self._execute(f"EXPLAIN ({options}) ", params)
         generic, custom = self._plans()
         assert (generic, custom) == (before[0] + 1, 0), f"{self.name}: not a generic plan"
         return rows[0][0][0]  # type: ignore[no-any-return]
@@ -120,7 +121,8 @@ class Statement:
 
 # The claim's parameters as the relay passes them (a byte budget the batch does not reach).
 CLAIM = {"limit": BATCH, "max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
-         "max_row_bytes": (128 << 20) + store.ROW_HEADROOM, "one_row_at_least": True}
+         "max_row_bytes": (128 << 20) + store.ROW_HEADROOM, "one_row_at_least": True,
+         "after": 0, "floor": 0}
 
 
 def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[str, Any]]:
@@ -433,3 +435,80 @@ def test_the_claim_sorts_a_keyed_batch_once(env: Env) -> None:
         sorts = [n["Sort Key"] for n in nodes(plan) if n["Node Type"] == "Sort"]
         assert len(sorts) == 1 and "ordering_key" in sorts[0][0], f"{sorts}\n{plan}"
         assert max(n["Actual Rows"] for n in nodes(plan) if n["Node Type"] == "Sort") == BATCH
+
+
+# Rows claimed (deleted) while another session holds a snapshot: their dead tuples and index
+# entries stay, VACUUM may not remove them (issue 36).
+HELD_DEAD = 50 * BATCH  # 100,000: about 3,500 pages of dead tuples
+
+
+def buffers(explained: dict[str, Any]) -> int:
+    """Buffers a statement touched (hit or read): inclusive at the top node, its InitPlans,
+    SubPlans and CTEs included. A dead index entry costs a visit of its heap tuple."""
+    top = explained["Plan"]
+    return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no_keys", "keys"])
+@pytest.mark.parametrize("state", STATES)
+def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
+        env: Env, state: str, keyed: bool) -> None:
+    """Issue 36: while a snapshot is held, every claimed row stays behind as a dead tuple and a
+    dead index entry, in front of the due rows. The claim and its frontier start after the
+    relay's mark (relay/marks.py): the buffers they touch stay what a batch costs with no dead
+    entries at all, with 50 batches' worth of them in front; the same claim from the start
+    of the primary key (the look from the floor when a row held back for long pins it at
+    the start) visits every one of them. Plans built in each bad planner state, cached."""
+    tables = Tables(env.table)
+    keys = KEYS if keyed else None
+    with env.connect() as admin, env.connect() as claim_conn, env.connect() as holder:
+        _set_state(admin, tables, state)
+        store.claim_session(claim_conn)
+        claim_conn.execute("SET plan_cache_mode = force_generic_plan")
+        claim = Statement(claim_conn, tables, "claim")
+        frontier = Statement(claim_conn, tables, "claim_frontier")
+        claim.build_plan(CLAIM)
+        frontier.build_plan({"after": 0, "floor": 0, "full": False})
+
+        _insert(admin, tables.outbox, BATCH, keys=keys)
+        mark = min(_ids(admin, tables, attempts=0)) - 1
+        at = {"after": mark, "floor": mark}
+        alone = {"claim": buffers(claim.explain({**CLAIM, **at}, buffers=True)),
+                 "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True))}
+
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(tables.outbox))  # held
+        _insert(admin, tables.outbox, HELD_DEAD, keys=keys)
+        admin.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))  # claimed, all of them
+        admin.execute(sql.SQL("VACUUM {}").format(tables.outbox))  # removes none of them
+        dead = admin.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                             (tables.outbox.as_string(admin),)).fetchone()
+        assert dead is not None and dead[0] >= HELD_DEAD
+        pages = admin.execute("SELECT pg_relation_size(%s::regclass) / 8192",
+                              (tables.outbox.as_string(admin),)).fetchone()
+        assert pages is not None
+        _insert(admin, tables.outbox, BATCH, keys=keys)
+        mark = min(_ids(admin, tables, attempts=0)) - 1
+        at = {"after": mark, "floor": mark}
+
+        claimed = claim.explain({**CLAIM, **at}, buffers=True)
+        assert rows_in(claimed["Plan"]) == BATCH
+        looked = frontier.explain({**at, "full": True}, buffers=True)
+        behind = {"claim": buffers(claimed), "frontier": buffers(looked)}
+        for name, used in behind.items():
+            assert used <= 2 * alone[name] + 100, (
+                f"{name}: {used} buffers, {alone[name]} alone\n"
+                f"{_buffer_nodes(claimed if name == 'claim' else looked)}")
+        from_start = claim.explain({**CLAIM, "after": 0, "floor": 0}, buffers=True)
+        assert rows_in(from_start["Plan"]) == BATCH
+        # What the test would see if the claim walked the dead entries (and each key's, per
+        # probe): every page of dead tuples at least.
+        assert buffers(from_start) >= behind["claim"] + pages[0] // 2, (
+            buffers(from_start), behind, pages[0])
+        holder.rollback()
+
+
+def _buffer_nodes(explained: dict[str, Any]) -> str:
+    return "\n".join(f"{n['Node Type']} {n.get('Index Name', '')} {n.get('Index Cond', '')} "
+                     f"{n.get('Filter', '')[:80]} hit={n['Shared Hit Blocks']} "
+                     f"loops={n['Actual Loops']}" for n in nodes(explained["Plan"]))

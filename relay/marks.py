@@ -1,0 +1,120 @@
+"""Where each claim's walk of the primary key starts: a low-water mark and a floor.
+
+While some session holds a snapshot (a long report, an idle transaction, a standby's feedback),
+VACUUM removes none of the rows deleted after it, and a claim that walks the primary key from
+its start visits every one of those dead entries, at every claim: 13 -> 85 ms of p99 over 10
+minutes at 500 events/s (docs/performance.md). So each claim starts after the **mark**: the
+rows at or below it were all gone (claimed, or held back for long) when it was set. The walk is
+then about what was claimed since the mark last moved, whatever the snapshot's age.
+
+A row can appear below the mark after it moved: a batch rolled back (its rows keep their ids),
+a producer's INSERT that commits after a later id was claimed, a delayed row whose time came,
+a key freed (its head published, its dead letter requeued). None is lost or delayed for good:
+
+- the mark moves only to just below the first row a claim would take if no one held it (a
+  batch in flight or in doubt, a claim made ahead, a key held behind one): when such a batch
+  is rolled back, its rows are above the mark. A batch of ours rolled back, abandoned, or
+  finished by someone else puts the mark back to the floor (``rewind``);
+- the mark moves past an id only once every transaction that could still insert it has ended:
+  the ones holding the outbox's RowExclusiveLock when the claim began (sql/queries.sql,
+  claim_writers), which every INSERT takes before its row gets an id. A session that holds a
+  snapshot without writing the outbox does not hold the mark back;
+- every ``FULL_LOOK_INTERVAL`` the mark goes back to the **floor** for one claim: the id below
+  the first row still there at the last such look (due or not, held back for long or not,
+  waiting for a retry or not), below the id a keyed dead letter gets back when it is
+  requeued, and below every row of ours in flight. Rows that came back below the mark are
+  found then, at most that long after they came back. No row is left below the floor, so a
+  key's head is looked for above it too (a key's dead entries would be walked per probe).
+  The floor moves with the same care as the mark, so the look from it walks about what was
+  claimed since the last one (a second's worth), unless a row held back for long (not due
+  for an hour, its key dead-lettered, a poison row between retries) keeps it: then that look
+  walks from that row, once every interval (docs/performance.md).
+
+A new session (connect) starts both at 0: its first claim looks from the start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+FULL_LOOK_INTERVAL = 1.0  # seconds between looks from the floor
+# Candidates kept waiting for their writers. A writer that stays (a producer's transaction left
+# open) holds all of them; past this many, new ones are dropped (the marks only move less far
+# until it ends: never a loss).
+MAX_PENDING = 64
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    mark: int | None
+    floor: int | None
+    writers: frozenset[str]  # the transactions that must end before it holds
+
+
+class ClaimMarks:
+    """The mark and the floor of one claim session (see the module's docstring)."""
+
+    def __init__(self, *, interval: float = FULL_LOOK_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval
+        self._clock = clock
+        self.mark = 0
+        self.floor = 0
+        self._pending: deque[_Candidate] = deque()
+        self._next_full = clock()
+        self.full_looks = 0  # how many looks from the floor so far (tests, benchmarks)
+
+    def restart(self) -> None:
+        """A new claim session: the next claim looks from the start."""
+        self.mark = self.floor = 0
+        self._pending.clear()
+        self._next_full = self._clock()
+
+    def rewind(self) -> None:
+        """Rows of ours came back (rolled back, abandoned): the next claim looks from the floor."""
+        self.mark = self.floor
+        self._pending.clear()
+
+    def start(self) -> tuple[int, bool]:
+        """(after, full) for the claim about to run: it takes rows with ids above ``after``;
+        ``full``: a look from the floor, which also reads where the floor may move."""
+        now = self._clock()
+        full = now >= self._next_full
+        if full:
+            self.rewind()
+            self._next_full = now + self._interval
+            self.full_looks += 1
+        return self.mark, full
+
+    def observe(self, *, after: int, full: bool, writers: Iterable[str],
+                claimed: Iterable[tuple[int, bool]], waiting: int | None,
+                first: int | None) -> None:
+        """What the claim that started after ``after`` saw: the writers read before it, the
+        (id, fresh) of each row it claimed, and its frontier (sql/queries.sql, claim_frontier)."""
+        current = frozenset(writers)
+        while self._pending and not self._pending[0].writers & current:
+            self._apply(self._pending.popleft())
+        rows = list(claimed)
+        fresh = [row_id for row_id, is_fresh in rows if is_fresh]
+        mark = waiting - 1 if waiting is not None else max(fresh, default=None)
+        floor = None
+        if full:
+            floor = first - 1 if first is not None else (mark if mark is not None else after)
+            if rows:  # ours, in flight: they may come back (a retried one as its key's head)
+                floor = min(floor, min(row_id for row_id, _fresh in rows) - 1)
+        candidate = _Candidate(mark, floor, current)
+        if current:
+            if len(self._pending) < MAX_PENDING:
+                self._pending.append(candidate)
+        else:
+            self._apply(candidate)
+
+    def _apply(self, candidate: _Candidate) -> None:
+        if candidate.floor is not None:
+            self.floor = max(self.floor, candidate.floor)
+        if candidate.mark is not None:
+            self.mark = max(self.mark, candidate.mark)
+        self.mark = max(self.mark, self.floor)

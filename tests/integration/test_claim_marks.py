@@ -1,0 +1,213 @@
+"""The claim's low-water mark (relay/marks.py): each claim walks the primary key from the mark,
+not from its start, and no row that appears below the mark is lost or delayed for good (issue
+36). Each case against real PostgreSQL: a late producer commit, a batch rolled back (another
+relay's, our own, a claim abandoned), a delayed row whose time came, a key freed (its head
+published by another relay, its head's retry published, its dead letter requeued); and a
+snapshot held elsewhere, which must not hold the mark back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from outbox_relay.relay import dead_letter
+from outbox_relay.relay.marks import ClaimMarks
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.tables import Tables
+from tests.conftest import Env
+
+pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
+
+NEVER = 3600.0  # a full-look interval no test reaches: what is found, the mark found
+SHORT = 0.3  # a full-look interval for the cases only a full look finds
+_gids = itertools.count()
+
+
+def make_store(env: Env, instance: int, interval: float) -> OutboxStore:
+    store = OutboxStore(env.db_url, env.table)
+    store.marks = ClaimMarks(interval=interval)
+    store.connect(lock_class=36, instance=instance)
+    return store
+
+
+@pytest.fixture
+def stores(env: Env) -> Iterator[Callable[[float], OutboxStore]]:
+    made: list[OutboxStore] = []
+
+    def make(interval: float) -> OutboxStore:
+        made.append(make_store(env, 0x3600 + len(made), interval))
+        return made[-1]
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def add(conn: psycopg.Connection[Any], env: Env, name: str, *, key: str | None = None,
+        due_in: float = 0.0, attempts: int = 0) -> int:
+    """One row; returns its id."""
+    row = conn.execute(sql.SQL(
+        "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at, attempts) "
+        "VALUES (%s, 'k', %s, %s, now() + make_interval(secs => %s), %s) RETURNING id").format(
+        Tables(env.table).outbox), (name, key, Jsonb({}), due_in, attempts)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def claim(store: OutboxStore, env: Env, *, commit: bool = True) -> list[str]:
+    """One batch: claim, prepare, commit (or roll back). The message ids claimed."""
+    rows = store.claim(100, 1 << 30)
+    if not rows:
+        store.rollback()
+        return []
+    gid = f"{env.gid_prefix}-marks-{next(_gids)}"
+    store.prepare(gid)
+    store.finish(gid, commit=commit)
+    return [r.message_id for r in rows]
+
+
+def claim_until(store: OutboxStore, env: Env, wanted: set[str], seconds: float) -> float:
+    """Claim batches until every one of ``wanted`` was claimed; the seconds it took."""
+    started = time.monotonic()
+    seen: set[str] = set()
+    while not wanted <= seen:
+        assert time.monotonic() - started < seconds, f"{wanted - seen} not claimed"
+        seen.update(claim(store, env))
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_late_producer_commit_holds_the_mark_until_it_ends(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(NEVER)
+    with env.connect() as conn, env.connect() as producer:
+        assert claim(relay, env) == []  # the first claim: the look from the start
+        producer.execute("BEGIN")
+        late = add(producer, env, "late")  # its id is taken; its commit comes later
+        add(conn, env, "early")
+        assert claim(relay, env) == ["early"]
+        add(conn, env, "next")
+        assert claim(relay, env) == ["next"]
+        assert relay.marks.mark < late  # the open INSERT holds the mark below its id
+        producer.commit()
+        assert claim(relay, env) == ["late"]  # found by the walk from the mark, not a full look
+        assert relay.marks.full_looks == 1
+        add(conn, env, "last")
+        assert claim(relay, env) == ["last"]
+        assert claim(relay, env) == []
+        assert relay.marks.mark >= late  # and it moves on once the writer ended
+
+
+def test_a_snapshot_held_elsewhere_does_not_hold_the_mark_back(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(NEVER)
+    with env.connect() as conn, env.connect() as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(Tables(env.table).outbox))
+        ids = [add(conn, env, f"e{n}") for n in range(5)]
+        assert len(claim(relay, env)) == 5
+        assert claim(relay, env) == []
+        assert relay.marks.mark >= ids[-1]
+        holder.rollback()
+
+
+def test_another_relays_rolled_back_batch_is_claimed_again(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay, other = stores(NEVER), stores(NEVER)
+    with env.connect() as conn:
+        assert claim(relay, env) == []
+        held = [add(conn, env, f"held{n}") for n in range(3)]
+        assert sorted(r.message_id for r in other.claim(3, 1 << 30)) == ["held0", "held1",
+                                                                         "held2"]
+        gid = f"{env.gid_prefix}-marks-other"
+        other.prepare(gid)  # in flight (or in doubt): the rows stay, locked
+        add(conn, env, "free")
+        assert claim(relay, env) == ["free"]
+        assert claim(relay, env) == []
+        assert relay.marks.mark < held[0]  # the mark stays below rows someone holds
+        other.finish(gid, commit=False)
+        assert sorted(claim(relay, env)) == ["held0", "held1", "held2"]
+        assert relay.marks.full_looks == 1
+
+
+def test_our_rolled_back_batch_and_abandoned_claim_are_claimed_again(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(NEVER)
+    with env.connect() as conn:
+        assert claim(relay, env) == []
+        for n in range(3):
+            add(conn, env, f"r{n}")
+        assert len(claim(relay, env, commit=False)) == 3  # ROLLBACK PREPARED
+        assert sorted(claim(relay, env)) == ["r0", "r1", "r2"]
+        add(conn, env, "a")
+        assert [r.message_id for r in relay.claim(10, 1 << 30)] == ["a"]
+        relay.rollback()  # abandoned before its PREPARE
+        assert claim(relay, env) == ["a"]
+        assert relay.marks.full_looks == 1
+
+
+def test_a_delayed_row_is_claimed_once_due(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        delayed = add(conn, env, "delayed", due_in=1.0)
+        add(conn, env, "now")
+        assert claim(relay, env) == ["now"]
+        assert relay.marks.mark >= delayed  # stepped over: below the mark now
+        assert relay.marks.floor < delayed  # and above the floor
+        took = claim_until(relay, env, {"delayed"}, seconds=5.0)
+        assert took < 1.0 + SHORT + 0.5  # due after 1 s, found by the next full look
+
+
+def test_a_key_held_by_another_relays_batch_is_claimed_once_it_commits(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay, other = stores(NEVER), stores(NEVER)
+    with env.connect() as conn:
+        assert claim(relay, env) == []
+        add(conn, env, "k1", key="k")
+        second = add(conn, env, "k2", key="k")
+        assert [r.message_id for r in other.claim(1, 1 << 30)] == ["k1"]
+        gid = f"{env.gid_prefix}-marks-key"
+        other.prepare(gid)
+        add(conn, env, "free")
+        assert claim(relay, env) == ["free"]  # k2 waits for k1
+        assert relay.marks.mark < second
+        other.finish(gid, commit=True)
+        assert claim(relay, env) == ["k2"]
+        assert relay.marks.full_looks == 1
+
+
+def test_a_key_held_by_its_heads_retry_is_claimed_after_it(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        add(conn, env, "k1", key="k", attempts=1, due_in=1.0)  # failed once, retried in 1 s
+        second = add(conn, env, "k2", key="k")
+        add(conn, env, "free")
+        assert claim(relay, env) == ["free"]
+        assert relay.marks.mark >= second > relay.marks.floor  # held back for long: stepped over
+        claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
+
+
+def test_a_key_freed_by_a_requeued_dead_letter_is_claimed(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    relay = stores(SHORT)
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        head = add(conn, env, "k1", key="k")
+        assert relay.dead_letter_rows({head: "poison"}) == [head]
+        second = add(conn, env, "k2", key="k")
+        add(conn, env, "free")
+        assert claim(relay, env) == ["free"]
+        assert relay.marks.mark >= second > relay.marks.floor  # its key has a dead letter
+        looks = relay.marks.full_looks
+        dead_letter.requeue(conn, tables, None)
+        took = claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
+        assert took < 4 * SHORT + 0.5 and relay.marks.full_looks > looks

@@ -16,8 +16,16 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   is rolled back, its rows are above the mark. A batch of ours rolled back, abandoned, or
   finished by someone else puts the mark back to the floor (``rewind``);
 - the mark moves past an id only once every transaction that could still insert it has ended:
-  the ones holding the outbox's RowExclusiveLock when the claim began (sql/queries.sql,
-  claim_writers), which every INSERT takes before its row gets an id. A session that holds a
+  the ones holding the outbox's RowExclusiveLock (sql/queries.sql, claim_writers), which every
+  INSERT takes before its row gets an id, read right after the claim's snapshot; the mark and
+  the floor move no higher than the highest id the claim took (a row it saw). Any id below
+  that one came from the sequence earlier, so a transaction that had not committed it at the
+  snapshot held the lock then: it is among those writers, or it ended in between and the
+  frontier, read after them, sees its row. (Writers read *before* the snapshot miss an INSERT
+  that starts in between and commits after: its id is below a later one that committed first,
+  and a mark moved past it lost the row for good.) A candidate waits until the writers read
+  before a later claim's snapshot are none of its own; that claim walks from the old mark and
+  sees what they committed. A claim that takes nothing moves nothing. A session that holds a
   snapshot without writing the outbox does not hold the mark back;
 - every ``FULL_LOOK_INTERVAL`` the mark goes back to the **floor** for one claim: the id below
   the first row still there at the last such look (due or not, held back for long or not,
@@ -90,23 +98,29 @@ class ClaimMarks:
         return self.mark, full
 
     def observe(self, *, after: int, full: bool, writers: Iterable[str],
-                claimed: Iterable[tuple[int, bool]], waiting: int | None,
-                first: int | None) -> None:
-        """What the claim that started after ``after`` saw: the writers read before it, the
-        (id, fresh) of each row it claimed, and its frontier (sql/queries.sql, claim_frontier)."""
+                writers_after: Iterable[str], claimed: Iterable[tuple[int, bool]],
+                waiting: int | None, first: int | None) -> None:
+        """What the claim that started after ``after`` saw: the writers read before its
+        snapshot and after it (before its frontier's), the (id, fresh) of each row it claimed,
+        and its frontier (sql/queries.sql, claim_frontier)."""
         current = frozenset(writers)
         while self._pending and not self._pending[0].writers & current:
             self._apply(self._pending.popleft())
         rows = list(claimed)
+        if not rows:
+            return  # nothing seen at the claim's snapshot to move past (the module's docstring)
+        ceiling = max(row_id for row_id, _fresh in rows)
         fresh = [row_id for row_id, is_fresh in rows if is_fresh]
         mark = waiting - 1 if waiting is not None else max(fresh, default=None)
+        if mark is not None:
+            mark = min(mark, ceiling)
         floor = None
         if full:
             floor = first - 1 if first is not None else (mark if mark is not None else after)
-            if rows:  # ours, in flight: they may come back (a retried one as its key's head)
-                floor = min(floor, min(row_id for row_id, _fresh in rows) - 1)
-        candidate = _Candidate(mark, floor, current)
-        if current:
+            # ours, in flight: they may come back (a retried one as its key's head)
+            floor = min(floor, min(row_id for row_id, _fresh in rows) - 1)
+        candidate = _Candidate(mark, floor, frozenset(writers_after))
+        if candidate.writers or self._pending:
             if len(self._pending) < MAX_PENDING:
                 self._pending.append(candidate)
         else:

@@ -277,30 +277,34 @@ class OutboxStore:
         try:
             # One claim of this table at a time (queries.sql, claim_lock): lock, claim and
             # unlock are sent together, so the server never holds the lock waiting on us. The
-            # writers are read before the claim's snapshot, its frontier after its deletes
-            # (relay/marks.py). prepare=False: never a cached generic plan
+            # writers are read before the claim's snapshot and after it, its frontier after
+            # its deletes and the second read (relay/marks.py). prepare=False: never a cached generic plan
             # (CLAIM_SESSION_SETUP, queries.sql).
             with conn.pipeline(), conn.cursor(binary=True) as cur:
                 conn.execute(lock, key, prepare=False)
-                writers = conn.execute(self._claim_writers, prepare=False)
+                before = conn.execute(self._claim_writers, prepare=False)
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
                     "max_row_bytes": max_message_bytes + ROW_HEADROOM,
                     "one_row_at_least": one_row_at_least, "after": after, "floor": floor},
                     prepare=False)
+                after_claim = conn.execute(self._claim_writers, prepare=False)
                 frontier = conn.execute(self._claim_frontier, {
                     "after": after, "floor": floor, "full": full}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
-                writers_row, frontier_row = writers.fetchone(), frontier.fetchone()
+                writers_row, writers_after_row = before.fetchone(), after_claim.fetchone()
+                frontier_row = frontier.fetchone()
         except BaseException:
             conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along
             raise
         rows = sorted((OutboxRow(*row) for row in fetched_rows), key=lambda r: r.id)
-        assert writers_row is not None and frontier_row is not None
+        assert writers_row is not None and writers_after_row is not None
+        assert frontier_row is not None
         self._claim_holds_rows = bool(rows)
         self.marks.observe(after=after, full=full, writers=writers_row[0],
+                           writers_after=writers_after_row[0],
                            claimed=[(r.id, r.attempts <= 0) for r in rows],
                            waiting=frontier_row[0], first=frontier_row[1])
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.

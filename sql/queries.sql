@@ -260,13 +260,15 @@ SELECT id, message_id, '', '', NULL, '\x'::bytea, false, '{{}}', NULL, 0::float8
 FROM oversized;
 
 -- name: claim_writers
--- Step 1, first statement (before the claim's snapshot): the transactions that hold the
--- outbox's RowExclusiveLock, the lock every INSERT, UPDATE and DELETE of it takes before it
--- touches a row (a producer's INSERT has it before its row gets an id), this session's
--- excepted. Any row id the claim cannot see yet (an INSERT not committed) belongs to one of
--- them: the relay moves its low-water mark past such an id only once they have all ended
--- (store.py, ClaimMarks). A transaction holding a snapshot without writing the outbox (a
--- report, a slot) is not among them. pg_locks is readable by every role.
+-- Step 1, read twice: before the claim's snapshot and right after the claim (before its
+-- frontier). The transactions that hold the outbox's RowExclusiveLock, the lock every INSERT,
+-- UPDATE and DELETE of it takes before it touches a row (a producer's INSERT has it before its
+-- row gets an id), this session's excepted. An id below the claim's highest that the claim
+-- could not see (an INSERT not committed) belongs to one of those read after it, or its row
+-- is committed for the frontier: the relay moves its low-water mark past such an id only once
+-- they have all ended, seen by the read before a later claim (store.py, ClaimMarks). A
+-- transaction holding a snapshot without writing the outbox (a report, a slot) is not among
+-- them. pg_locks is readable by every role.
 SELECT coalesce(array_agg(virtualtransaction::text), '{{}}'::text[])
 FROM pg_catalog.pg_locks
 WHERE locktype = 'relation' AND relation = {outbox_text}::regclass

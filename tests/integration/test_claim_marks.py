@@ -8,6 +8,7 @@ snapshot held elsewhere, which must not hold the mark back."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -211,3 +212,44 @@ def test_a_key_freed_by_a_requeued_dead_letter_is_claimed(
         dead_letter.requeue(conn, tables, None)
         took = claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
         assert took < 4 * SHORT + 0.5 and relay.marks.full_looks > looks
+
+
+def test_an_insert_begun_between_the_writers_read_and_the_snapshot_is_claimed(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """A producer's INSERT takes its id after the writers were read and before the claim's
+    snapshot, and commits after the claim, while a later id commits before it. The first read
+    cannot see that writer; the marks must not move past its id (they did: the row was never
+    claimed by that relay again, full looks included)."""
+    relay = stores(SHORT)
+    read = relay._claim_writers.as_string(None).strip().rstrip(";")
+    # The read before the snapshot, then 0.5 s in which the producers race in.
+    slow_read = sql.SQL("SELECT ({}), pg_catalog.pg_sleep(0.5)").format(sql.SQL(read))
+    with env.connect() as conn, env.connect() as producer:
+        assert claim(relay, env) == []
+
+        def race() -> None:
+            time.sleep(0.2)
+            producer.execute("BEGIN")
+            # due before the claim's transaction began (its now())
+            add(producer, env, "late", due_in=-60)  # its id is taken; committed after the claim
+            add(conn, env, "early", due_in=-60)  # a later id, committed before the snapshot
+
+        time.sleep(SHORT)  # the racy claim is a look from the floor: the floor moves too
+        racer = threading.Thread(target=race)
+        racer.start()
+        reads = iter([slow_read])
+        real_execute = relay.claim_conn.execute
+
+        def execute(query: Any, *args: Any, **kwargs: Any) -> Any:
+            if query is relay._claim_writers:
+                query = next(reads, query)  # the first read of this claim only
+            return real_execute(query, *args, **kwargs)
+
+        relay.claim_conn.execute = execute  # type: ignore[method-assign]
+        try:
+            assert claim(relay, env) == ["early"]
+        finally:
+            del relay.claim_conn.execute
+        racer.join()
+        producer.commit()
+        claim_until(relay, env, {"late"}, seconds=5.0)

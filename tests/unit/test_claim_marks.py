@@ -18,7 +18,8 @@ def test_the_first_claim_looks_from_the_start_then_every_interval() -> None:
     clock = Clock()
     marks = ClaimMarks(interval=1.0, clock=clock)
     assert marks.start() == (0, True)
-    marks.observe(after=0, full=True, writers=[], claimed=[(1, True), (2, True)],
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(1, True), (2, True)],
                   waiting=None, first=None)
     assert (marks.mark, marks.floor) == (2, 0)  # 1 and 2 are ours, in flight
     assert marks.start() == (2, False)
@@ -30,15 +31,17 @@ def test_the_mark_stays_below_a_held_row_and_the_floor_below_the_first_row() -> 
     marks = ClaimMarks(interval=1.0, clock=Clock())
     marks.start()
     # claimed 5..7; row 3 is not due (first), row 9 is in another relay's batch (waiting)
-    marks.observe(after=0, full=True, writers=[], claimed=[(5, True), (6, True), (7, True)],
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(5, True), (6, True), (7, True)],
                   waiting=9, first=3)
-    assert (marks.mark, marks.floor) == (8, 2)
+    assert (marks.mark, marks.floor) == (7, 2)  # no higher than the highest claimed
 
 
 def test_the_floor_stays_below_our_own_rows_in_flight_retried_ones_too() -> None:
     marks = ClaimMarks(interval=1.0, clock=Clock())
     marks.start()
-    marks.observe(after=0, full=True, writers=[], claimed=[(4, False), (6, True)], waiting=None,
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(4, False), (6, True)], waiting=None,
                   first=10)
     assert (marks.mark, marks.floor) == (6, 3)
 
@@ -46,33 +49,40 @@ def test_the_floor_stays_below_our_own_rows_in_flight_retried_ones_too() -> None
 def test_marks_move_only_once_the_writers_seen_before_the_claim_have_ended() -> None:
     marks = ClaimMarks(interval=3600.0, clock=Clock())
     marks.start()
-    marks.observe(after=0, full=True, writers=["3/7"], claimed=[(1, True)], waiting=None,
+    marks.observe(after=0, full=True, writers=["3/7"], writers_after=["3/7"],
+                  claimed=[(1, True)], waiting=None,
                   first=None)
     assert (marks.mark, marks.floor) == (0, 0)  # 3/7 may hold an id below 1
     marks.start()
-    marks.observe(after=0, full=False, writers=["3/7", "4/2"], claimed=[(2, True)],
+    marks.observe(after=0, full=False, writers=["3/7", "4/2"], writers_after=["3/7", "4/2"],
+                  claimed=[(2, True)],
                   waiting=None, first=None)
     assert marks.mark == 0
     marks.start()
-    marks.observe(after=0, full=False, writers=["4/2"], claimed=[], waiting=None, first=None)
+    marks.observe(after=0, full=False, writers=["4/2"], writers_after=["4/2"],
+                  claimed=[], waiting=None, first=None)
     assert (marks.mark, marks.floor) == (1, 0)  # 3/7 ended: the first candidate holds
     marks.start()
-    marks.observe(after=1, full=False, writers=[], claimed=[], waiting=None, first=None)
+    marks.observe(after=1, full=False, writers=[], writers_after=[],
+                  claimed=[], waiting=None, first=None)
     assert marks.mark == 2
 
 
 def test_a_rewind_drops_what_was_waiting_and_goes_back_to_the_floor() -> None:
     marks = ClaimMarks(interval=3600.0, clock=Clock())
     marks.start()
-    marks.observe(after=0, full=True, writers=[], claimed=[], waiting=None, first=2)
-    assert (marks.mark, marks.floor) == (1, 1)  # row 2 is there, not due
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(3, True)], waiting=None, first=2)
+    assert (marks.mark, marks.floor) == (3, 1)  # row 2 is there, not due
     marks.start()
-    marks.observe(after=1, full=False, writers=["1/1"], claimed=[(5, True)], waiting=None,
+    marks.observe(after=1, full=False, writers=["1/1"], writers_after=["1/1"],
+                  claimed=[(5, True)], waiting=None,
                   first=None)
     marks.rewind()
     assert marks.mark == marks.floor == 1
     marks.start()
-    marks.observe(after=1, full=False, writers=[], claimed=[], waiting=None, first=None)
+    marks.observe(after=1, full=False, writers=[], writers_after=[],
+                  claimed=[], waiting=None, first=None)
     assert marks.mark == 1  # the candidate of the rolled-back claim is gone
 
 
@@ -80,9 +90,48 @@ def test_a_writer_that_stays_keeps_a_bounded_queue() -> None:
     marks = ClaimMarks(interval=3600.0, clock=Clock())
     for n in range(1, 10 * MAX_PENDING):
         marks.start()
-        marks.observe(after=0, full=False, writers=["9/9"], claimed=[(n, True)], waiting=None,
+        marks.observe(after=0, full=False, writers=["9/9"], writers_after=["9/9"],
+                  claimed=[(n, True)], waiting=None,
                       first=None)
     assert len(marks._pending) == MAX_PENDING and marks.mark == 0
     marks.start()
-    marks.observe(after=0, full=False, writers=[], claimed=[], waiting=None, first=None)
+    marks.observe(after=0, full=False, writers=[], writers_after=[],
+                  claimed=[], waiting=None, first=None)
     assert marks.mark == MAX_PENDING
+
+
+def test_a_claim_that_takes_nothing_moves_nothing() -> None:
+    marks = ClaimMarks(interval=3600.0, clock=Clock())
+    marks.start()
+    # rows 5 and 9 are seen only by the frontier, read after the claim's snapshot: an INSERT
+    # that began after the second writers read may hold an id below them
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[], waiting=9,
+                  first=5)
+    assert (marks.mark, marks.floor) == (0, 0)
+
+
+def test_marks_move_no_higher_than_the_highest_row_claimed() -> None:
+    marks = ClaimMarks(interval=3600.0, clock=Clock())
+    marks.start()
+    # claimed 3 and 4; the frontier saw 20 first and nothing waiting: 5..19 may be ids of
+    # INSERTs that began after the claim's snapshot and before a later id committed
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(3, True), (4, True)],
+                  waiting=20, first=20)
+    assert (marks.mark, marks.floor) == (4, 2)
+
+
+def test_a_writer_seen_only_after_the_claim_holds_the_candidate() -> None:
+    marks = ClaimMarks(interval=3600.0, clock=Clock())
+    marks.start()
+    # 5/1 began its INSERT between the first read and the claim's snapshot: its id may be below 7
+    marks.observe(after=0, full=False, writers=[], writers_after=["5/1"], claimed=[(7, True)],
+                  waiting=None, first=None)
+    assert marks.mark == 0
+    marks.start()
+    marks.observe(after=0, full=False, writers=["5/1"], writers_after=["5/1"], claimed=[],
+                  waiting=None, first=None)
+    assert marks.mark == 0
+    marks.start()
+    marks.observe(after=0, full=False, writers=[], writers_after=[], claimed=[], waiting=None,
+                  first=None)
+    assert marks.mark == 7

@@ -190,3 +190,13 @@ class HorizonHolder:
 
     xid_age: int
     age_seconds: float | None  # prepared transactions and client sessions' transactions only
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """One stats pass over the outbox rows with ids above ``after`` (sql/queries.sql, stats)."""
+
+    backlog: int  # rows not yet published
+    lag: float  # seconds the oldest of them is late
+    never_due: int  # rows delayed to the year 10000 or later
+    lowest: int | None  # the lowest id seen; None when the pass saw no row

@@ -26,6 +26,7 @@ from outbox_relay.errors import (
     TransientError,
     describe,
 )
+from outbox_relay.model import OutboxStats
 from outbox_relay.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -318,12 +319,68 @@ def warn_key_readers(conn: psycopg.Connection[Any], tables: Tables) -> None:
         extra={"action": "ledger_key_readable", "roles": roles, "public": public})
 
 
-def outbox_stats(conn: psycopg.Connection[Any], tables: Tables) -> tuple[int, float, int]:
-    """(backlog rows, lag seconds, rows never due) of the whole outbox table (sql/queries.sql,
-    stats)."""
-    row = conn.execute(tables.query("stats")).fetchone()
+# The bounded stats pass (a lower bound above 0) walks the primary key from its floor: every
+# live row is above that floor, so the planner, counting on its statistics, would read the
+# whole table instead (and with it every dead tuple a held snapshot keeps). Sequential scans
+# off for that statement; JIT off, as the disabled scan's cost would otherwise compile it.
+BOUNDED_STATS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
+                       "set_config('jit', 'off', true)")
+
+
+def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) -> OutboxStats:
+    """Backlog, lag and rows never due of the outbox rows with ids above ``after`` (0: the
+    whole table), and the lowest id seen (sql/queries.sql, stats)."""
+    query = tables.query("stats")
+    if after > 0:
+        with conn.transaction():
+            conn.execute(BOUNDED_STATS_SETUP)
+            row = conn.execute(query, {"after": after}).fetchone()
+    else:
+        row = conn.execute(query, {"after": after}).fetchone()
     assert row is not None
-    return int(row[0]), float(row[1]), int(row[2])
+    return OutboxStats(int(row[0]), float(row[1]), int(row[2]),
+                       None if row[3] is None else int(row[3]))
+
+
+class StatsSession:
+    """The stats passes' own autocommit session (outbox_relay/runtime/stats.py), used by one
+    thread: connected like the programs' other sessions (search_path pinned, the table named
+    with its schema), and never preparing a statement (a generic plan of ``id > $1`` would
+    not know how few rows are above the floor)."""
+
+    def __init__(self, url: str, table: str, *, connect_timeout: float,
+                 application_name: str) -> None:
+        self._url = url
+        self._table = table
+        self._connect_timeout = connect_timeout
+        self._application_name = application_name
+        self.tables = Tables(table)
+        self._conn: psycopg.Connection[Any] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed and not self._conn.broken
+
+    @property
+    def session(self) -> psycopg.Connection[Any]:
+        return usable(self._conn)
+
+    @translated
+    def connect(self) -> None:
+        self.close()
+        conn, self.tables = connect_pinned(self._url, self._table, timeout=self._connect_timeout,
+                                           application_name=self._application_name)
+        conn.prepare_threshold = None
+        self._conn = conn
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            conn.close()
+
+    @translated
+    def stats(self, after: int) -> OutboxStats:
+        return outbox_stats(self.session, self.tables, after)
 
 
 def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) -> bool:

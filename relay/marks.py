@@ -43,6 +43,7 @@ A new session (connect) starts both at 0: its first claim looks from the start.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -74,6 +75,9 @@ class ClaimMarks:
         self._pending: deque[_Candidate] = deque()
         self._next_full = clock()
         self.full_looks = 0  # how many looks from the floor so far (tests, benchmarks)
+        # A floor asked for by another thread (lower_floor), applied by the next start().
+        self._lowered: int | None = None
+        self._lowered_lock = threading.Lock()
 
     def restart(self) -> None:
         """A new claim session: the next claim looks from the start."""
@@ -90,12 +94,23 @@ class ClaimMarks:
         """(after, full) for the claim about to run: it takes rows with ids above ``after``;
         ``full``: a look from the floor, which also reads where the floor may move."""
         now = self._clock()
-        full = now >= self._next_full
+        with self._lowered_lock:
+            lowered, self._lowered = self._lowered, None
+        if lowered is not None:  # a full stats pass saw a row at or below the floor
+            self.floor = min(self.floor, lowered)
+        full = now >= self._next_full or lowered is not None
         if full:
             self.rewind()
             self._next_full = now + self._interval
             self.full_looks += 1
         return self.mark, full
+
+    def lower_floor(self, below: int) -> None:
+        """Thread-safe: the next claim looks from ``below`` at most (floor and mark lowered to
+        it): a full stats pass (outbox_relay/runtime/stats.py) saw a row there, which came
+        back below the floor after this session's last look from it."""
+        with self._lowered_lock:
+            self._lowered = below if self._lowered is None else min(self._lowered, below)
 
     def observe(self, *, after: int, full: bool, writers: Iterable[str],
                 writers_after: Iterable[str], claimed: Iterable[tuple[int, bool]],

@@ -2,9 +2,10 @@
 
 Two autocommit sessions. The claim session runs the claim transaction, opened with an explicit
 BEGIN and ended by PREPARE TRANSACTION. The main session holds the relay's instance lock and
-runs COMMIT/ROLLBACK PREPARED (which must run outside any transaction block), the failure
-bookkeeping and the stats: so the next batch can be claimed while this one is still being
-confirmed, and this one committed while the next claim is open.
+runs COMMIT/ROLLBACK PREPARED (which must run outside any transaction block) and the failure
+bookkeeping: so the next batch can be claimed while this one is still being confirmed, and
+this one committed while the next claim is open. The stats passes have a third session of
+their own, on a thread of their own (``stats_session``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from psycopg.types.json import Jsonb
 from outbox_relay.errors import StandbyWaitTimeout, StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
+    StatsSession,
     check_create,
     check_server,
     check_standbys,
     connect_pinned,
     finish_prepared,
-    outbox_stats,
     read_ledger_key,
     translated,
     try_instance_lock,
@@ -50,8 +51,8 @@ from outbox_relay.tables import Tables
 # - Sequential scans off wherever a statement touches a batch of rows (the claim session,
 #   and the failure bookkeeping's transaction): such a statement always has an index path
 #   linear in the batch, and a plan built on an empty table would otherwise read the whole
-#   table, testing each row against the batch's id array. Not for the stats, whose count
-#   needs a full pass anyway (and would be JIT-compiled under the disabled scan's huge cost).
+#   table, testing each row against the batch's id array. The stats run on a session of
+#   their own (postgres.StatsSession), with their own planner guards.
 # - Bitmap scans off in the claim session: the claim walks the primary key from the relay's
 #   mark (relay/marks.py), and a bitmap scan of "id > mark" reads and sorts every row above
 #   it, the whole backlog, before its LIMIT (a generic plan chose one, test_plans.py); an
@@ -176,7 +177,7 @@ class OutboxStore:
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
-        """The main session: instance lock, COMMIT/ROLLBACK PREPARED, failures, stats."""
+        """The main session: instance lock, COMMIT/ROLLBACK PREPARED, failures."""
         return usable(self._conn)
 
     @property
@@ -453,9 +454,16 @@ class OutboxStore:
             return [row[0] for row in cur.fetchall()]
 
     @translated
-    def stats(self) -> tuple[int, float, int]:
-        """(backlog rows, lag seconds, rows never due) for the metrics and the sweep below."""
-        return outbox_stats(self.conn, self.tables)
+    def keepalive(self) -> None:
+        """A trivial statement on the main session: an idle relay's must not outlive the role's
+        idle_session_timeout (it holds the instance lock)."""
+        self.conn.execute("SELECT 1")
+
+    def stats_session(self) -> StatsSession:
+        """A new session for the stats passes, which run on a thread of their own
+        (outbox_relay/runtime/stats.py): connected like this store's, not yet."""
+        return StatsSession(self._url, self._table, connect_timeout=self._connect_timeout,
+                            application_name=f"{self._application_name} stats")
 
     @translated
     def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from outbox_relay.model import (
     TracedMessage,
     Unpublishable,
 )
+from outbox_relay.relay.marks import ClaimMarks
 from outbox_relay.relay.messages import to_message
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.settings import RelaySettings
@@ -42,6 +44,7 @@ from outbox_relay.runtime.connections import ConnectionEvents
 from outbox_relay.runtime.health import Health, stall_threshold
 from outbox_relay.runtime.loop import Loop
 from outbox_relay.runtime.signals import Shutdown, Stop
+from outbox_relay.runtime.stats import StatsFloor, StatsPasses, StatsSource
 
 log = logging.getLogger("relay")
 
@@ -76,6 +79,7 @@ DEAD_LETTER_COPY_MAX = 1 << 20
 class Store(Protocol):
     ledger_key: bytes  # read on connect: signs the ledger records
     database: str  # this database's name, named in every ledger record
+    marks: ClaimMarks  # where the claims start (relay/marks.py)
 
     @property
     def connected(self) -> bool: ...
@@ -92,7 +96,12 @@ class Store(Protocol):
     def settle_failed(self, delivered: Sequence[int], failures: Mapping[int, str],
                       attributed: Sequence[int], *, max_attempts: int, base_delay: float,
                       max_delay: float) -> list[int]: ...
-    def stats(self) -> tuple[int, float, int]: ...
+    def stats_session(self) -> StatsSource:
+        """A new, unconnected session for the stats passes (their thread's own)."""
+        ...
+    def keepalive(self) -> None:
+        """A trivial statement on the main session (it must not idle: idle_session_timeout)."""
+        ...
     def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]: ...
 
 
@@ -164,7 +173,10 @@ class Relay(Loop):
         fault: Callable[[str], None] = lambda _point: None,
         shutdown: Stop | None = None,
         instance: int | None = None,
+        background_stats: bool = True,
     ) -> None:
+        """``background_stats``: the stats passes run on a thread of their own, started by
+        ``run``; False (the unit tests): the loop runs them itself when due."""
         self.settings = settings
         self.store = store
         self.publisher = publisher
@@ -177,7 +189,16 @@ class Relay(Loop):
         self.lock_class = lock_class(settings.gid_prefix)
         self._sequence = 0
         self._unfinished: Unfinished | None = None
-        self._next_stats = 0.0
+        # The stats passes (outbox_relay/runtime/stats.py): their floor and session are the
+        # stats thread's; what they found that the loop must act on, the loop's.
+        self._background_stats = background_stats
+        self._stats_floor = StatsFloor()
+        self._stats_source: StatsSource | None = None
+        self._never_due = threading.Event()  # the last pass counted rows never due
+        self._next_keepalive = 0.0  # the main session's next trivial statement (monotonic)
+        self.stats = StatsPasses(name="outbox-relay stats", interval=settings.stats_interval,
+                                 max_delay=settings.reconnect_max_delay,
+                                 run_pass=self._stats_pass, reset=self._stats_reset, log=log)
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._idle = settings.poll_min_interval  # the next empty poll's wait
         self._ahead: Ahead | None = None
@@ -590,7 +611,13 @@ class Relay(Loop):
     def pause(self, seconds: float) -> None:
         self.publisher.idle(seconds)  # answers the broker's heartbeats meanwhile
 
+    def run(self) -> None:
+        if self._background_stats:
+            self.stats.start()
+        super().run()
+
     def close(self) -> None:
+        self.stats.stop()
         self._ahead = None  # closing the claim session rolls its claim back
         self.store.close()
         self.publisher.close()
@@ -663,15 +690,46 @@ class Relay(Loop):
         self._connections.up(server)
 
     def _refresh_stats(self) -> None:
+        """The loop's part of the stats: move the rows never due that the last pass counted
+        (on the main session, between batches). The passes run on their thread; without one,
+        here when due. And every OUTBOX_STATS_INTERVAL a trivial statement on the main
+        session, which the stats query kept from idling before it moved to a session of its
+        own: an idle relay's main session must not outlive the role's idle_session_timeout
+        (it holds the instance lock; docs/operations.md)."""
         now = time.monotonic()
-        if now < self._next_stats:
-            return
-        self._next_stats = now + self.settings.stats_interval
-        backlog, lag, never_due = self.store.stats()
-        self.metrics.backlog.set(backlog)
-        self.metrics.lag.set(lag)
-        if never_due:
+        if now >= self._next_keepalive:
+            self._next_keepalive = now + self.settings.stats_interval
+            self.store.keepalive()
+        if not self._background_stats:
+            self.stats.run_due()
+        if self._never_due.is_set():
+            self._never_due.clear()
             self._dead_letter_never_due()
+
+    def _stats_pass(self) -> None:
+        """One stats pass, on the stats thread: the backlog and lag gauges, whether rows never
+        due wait, and the claims' safety net: a full pass that sees a row at or below the claim
+        marks' floor (it came back there after the floor moved) has the next claim look from
+        below it (ClaimMarks.lower_floor)."""
+        if self._stats_source is None:
+            self._stats_source = self.store.stats_session()
+        source = self._stats_source
+        if not source.connected:
+            source.connect()
+        after, full = self._stats_floor.start()
+        stats = source.stats(after)
+        self._stats_floor.observe(full=full, lowest=stats.lowest)
+        self.metrics.backlog.set(stats.backlog)
+        self.metrics.lag.set(stats.lag)
+        if stats.never_due:
+            self._never_due.set()
+        marks = self.store.marks
+        if full and stats.lowest is not None and stats.lowest <= marks.floor:
+            marks.lower_floor(stats.lowest - 1)
+
+    def _stats_reset(self) -> None:
+        if self._stats_source is not None:
+            self._stats_source.close()
 
     def _dead_letter_never_due(self) -> None:
         """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved

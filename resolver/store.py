@@ -51,6 +51,15 @@ def prepared_slots(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+class StatsSession(postgres.StatsSession):
+    """The resolver's stats session: the outbox's stats, and the keys held back behind a dead
+    letter."""
+
+    @postgres.translated
+    def blocked_keys(self) -> int:
+        return blocked_keys(self.session, self.tables)
+
+
 class PostgresPreparedStore:
     """One autocommit session of the resolver (the ``PreparedStore`` of resolver/worker.py)."""
 
@@ -146,14 +155,11 @@ class PostgresPreparedStore:
     def prepared_slots(self) -> tuple[int, int]:
         return prepared_slots(self._session)
 
-    @postgres.translated
-    def outbox_stats(self) -> tuple[int, float]:
-        backlog, lag, _never_due = postgres.outbox_stats(self._session, self.tables)
-        return backlog, lag
-
-    @postgres.translated
-    def blocked_keys(self) -> int:
-        return blocked_keys(self._session, self.tables)
+    def stats_session(self) -> StatsSession:
+        """A new session for the stats passes, which run on a thread of their own
+        (outbox_relay/runtime/stats.py): connected like this one, not yet."""
+        return StatsSession(self._url, self._table, connect_timeout=self._connect_timeout,
+                            application_name="outbox-resolver stats")
 
     @postgres.translated
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:

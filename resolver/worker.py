@@ -45,6 +45,7 @@ from outbox_relay.runtime.connections import ConnectionEvents
 from outbox_relay.runtime.health import Health, stall_threshold
 from outbox_relay.runtime.loop import Loop
 from outbox_relay.runtime.signals import Shutdown, Stop
+from outbox_relay.runtime.stats import StatsFloor, StatsPasses, StatsSource
 
 log = logging.getLogger("resolver")
 
@@ -57,6 +58,13 @@ REJECTIONS_LOGGED_PER_SCAN = 100
 SCAN_ERRORS: tuple[type[BaseException], ...] = (TransientError, DatabaseUnavailable)
 # SQLSTATEs of an outbox the resolver cannot read for its stats: missing, not ours to read.
 UNREADABLE_TABLE = frozenset({"42P01", "42501"})
+
+
+class OutboxStatsSource(StatsSource, Protocol):
+    """The resolver's stats session: the outbox's stats, and the keys held back behind a
+    dead letter (resolver/store.py, StatsSession)."""
+
+    def blocked_keys(self) -> int: ...
 
 
 class PreparedStore(Protocol):
@@ -78,8 +86,9 @@ class PreparedStore(Protocol):
     def prepared_slots(self) -> tuple[int, int]:
         """(prepared transactions of the whole server, max_prepared_transactions)."""
         ...
-    def outbox_stats(self) -> tuple[int, float]: ...
-    def blocked_keys(self) -> int: ...
+    def stats_session(self) -> OutboxStatsSource:
+        """A new, unconnected session for the stats passes (their thread's own)."""
+        ...
     def watch(self, prefix: str, lock_class: int) -> tuple[list[str], list[int]]:
         """The gids of ``prefix`` prepared now, and the instances whose lock is held now."""
         ...
@@ -121,7 +130,10 @@ class Resolver(Loop):
         shutdown: Stop | None = None,
         store: PreparedStore | None = None,
         ledger: Ledger | None = None,
+        background_stats: bool = True,
     ) -> None:
+        """``background_stats``: the outbox's stats passes run on a thread of their own,
+        started by ``run``; False (the unit tests): each scan runs them when due."""
         self.settings = settings
         self.metrics = metrics or ResolverMetrics()
         super().__init__(log=log, health=health or resolver_health(settings),
@@ -138,8 +150,14 @@ class Resolver(Loop):
         self._reported = Reported()  # rejected ledger records counted and logged already
         self._unlogged: Counter[str] = Counter()  # this scan's, past the logged ones: by reason
         self._logged = 0  # rejected records logged this scan
-        self._next_stats = 0.0
         self._stats_failing = False
+        # The outbox's stats passes (outbox_relay/runtime/stats.py): the stats thread's.
+        self._background_stats = background_stats
+        self._stats_floor = StatsFloor()
+        self._stats_source: OutboxStatsSource | None = None
+        self.stats = StatsPasses(name="outbox-resolver stats", interval=settings.stats_interval,
+                                 max_delay=settings.reconnect_max_delay,
+                                 run_pass=self._stats_pass, reset=self._stats_reset, log=log)
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
 
     # -- one pass ---------------------------------------------------------------------------
@@ -183,7 +201,8 @@ class Resolver(Loop):
     def _observe(self) -> None:
         self._observe_horizon()
         self._observe_slots()
-        self._observe_outbox()
+        if not self._background_stats:
+            self.stats.run_due()
 
     def _observe_slots(self) -> None:
         """Export how many of the server's prepared-transaction slots are taken, by anyone:
@@ -229,18 +248,20 @@ class Resolver(Loop):
         holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
 
-    def _observe_outbox(self) -> None:
-        """Export the outbox's backlog, lag and keys held back behind a dead letter: table-wide
-        queries, once per database every
-        OUTBOX_STATS_INTERVAL, instead of one per relay. A table that is missing (not migrated
-        yet) or not readable by this role is said once and exported as NaN, never a false 0."""
-        now = time.monotonic()
-        if now < self._next_stats:
-            return
-        self._next_stats = now + self.settings.stats_interval
+    def _stats_pass(self) -> None:
+        """Export the outbox's backlog, lag and keys held back behind a dead letter: once per
+        database every OUTBOX_STATS_INTERVAL instead of once per relay, on the stats thread
+        (outbox_relay/runtime/stats.py). A table that is missing (not migrated yet) or not
+        readable by this role is said once and exported as NaN, never a false 0."""
+        if self._stats_source is None:
+            self._stats_source = self.store.stats_session()
+        source = self._stats_source
+        if not source.connected:
+            source.connect()
+        after, full = self._stats_floor.start()
         try:
-            backlog, lag = self.store.outbox_stats()
-            blocked = self.store.blocked_keys()
+            stats = source.stats(after)
+            blocked = source.blocked_keys()
         except DatabaseError as exc:
             if exc.sqlstate not in UNREADABLE_TABLE:
                 raise
@@ -252,10 +273,15 @@ class Resolver(Loop):
             self.metrics.lag.set(math.nan)
             self.metrics.blocked_keys.set(math.nan)
             return
+        self._stats_floor.observe(full=full, lowest=stats.lowest)
         self._stats_failing = False
-        self.metrics.backlog.set(backlog)
-        self.metrics.lag.set(lag)
+        self.metrics.backlog.set(stats.backlog)
+        self.metrics.lag.set(stats.lag)
         self.metrics.blocked_keys.set(blocked)
+
+    def _stats_reset(self) -> None:
+        if self._stats_source is not None:
+            self._stats_source.close()
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit.
@@ -394,6 +420,16 @@ class Resolver(Loop):
         """Check both servers up front (fail fast on 2PC off or a ledger clash)."""
         self._db()
         self._connect_amqp()
+
+    def run(self) -> None:
+        """The loop, with the stats thread beside it (stopped on the way out: close() also
+        runs after a failed scan, and the thread keeps its own session meanwhile)."""
+        if self._background_stats:
+            self.stats.start()
+        try:
+            super().run()
+        finally:
+            self.stats.stop()
 
     def close(self) -> None:
         self.store.close()

@@ -384,8 +384,14 @@ FROM moved
 RETURNING outbox_id;
 
 -- name: stats
--- Backlog size, lag, and the rows that will never be due. One pass over the table in every
--- plan (a count needs it), every stats_interval on the main session, never on the claim path.
+-- Backlog size, lag, and the rows that will never be due, of the rows with ids above
+-- %(after)s, and the lowest id seen (lowest: NULL when none). Run on a session of its own, on
+-- a thread of its own (outbox_relay/runtime/stats.py), never on the batch or claim path:
+-- every stats_interval from a floor (the lowest id the last pass saw, less one), a walk of
+-- the primary key over about what was published since (the dead entries a held snapshot
+-- keeps below the floor are not visited again), and every FULL_STATS_INTERVAL from 0, one
+-- exact pass over the whole table (a count needs it), which finds what came back below the
+-- floor (a late commit of an older id, a requeued dead letter's old id, a restored row).
 -- - backlog: every row not yet published (claimed rows included, they are not published until
 --   their batch commits; rows a producer delayed too).
 -- - lag: how late the oldest of them is: its age counted from when it was due, its created_at,
@@ -409,8 +415,10 @@ SELECT count(*) AS backlog,
                                    FILTER (WHERE isfinite(created_at)))::float8,
                          0),
                 0) AS lag_seconds,
-       count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due
-FROM {outbox};
+       count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due,
+       min(id) AS lowest
+FROM {outbox}
+WHERE id > %(after)s;
 
 -- name: dead_letter_never_due
 -- Rows delayed to the year 10000 or later ('infinity' included) are never due: never published,

@@ -200,6 +200,15 @@ ACTIONS: tuple[LogAction, ...] = (
         " it can; both are NaN meanwhile",
     ),
     LogAction(
+        ("stats_failed",), "WARNING", "both",
+        "",
+        "a stats pass (backlog, lag; the relay's rows never due, the resolver's blocked keys) "
+        "failed on its own session and thread: once, until one succeeds; retried after "
+        "`OUTBOX_STATS_INTERVAL` or the reconnection backoff, whichever is longer, on a new "
+        "session (the metrics keep their last values meanwhile); or a pass still running at "
+        "shutdown",
+    ),
+    LogAction(
         ("inbox_message_failed",), "WARNING", "a consumer's `Inbox` (logger `outbox_relay.inbox`)",
         "`consumer`, `message_id`, `requeued`",
         "a handler raised, or a message had no `message_id`: its transaction rolled back, the "

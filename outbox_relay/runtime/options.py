@@ -292,8 +292,9 @@ LEDGER_MAX_AGE = Option(
 )
 STATS_INTERVAL = Option(
     "stats_interval", "OUTBOX_STATS_INTERVAL", positive_float, "5",
-    "seconds between refreshes of the backlog and lag metrics (a query over the whole outbox "
-    "table)",
+    "seconds between refreshes of the backlog and lag metrics (a pass over the outbox rows "
+    "above the last pass's lowest id, on a session and thread of its own; once a minute over "
+    "the whole table)",
     doc="its cost: [operations.md](operations.md#what-the-backlog-and-lag-query-costs)",
 )
 METRICS_HOST = Option(

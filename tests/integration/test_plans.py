@@ -133,7 +133,7 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
                             "errors": Jsonb({str(i): "nacked" for i in fresh_ids}),
                             "base_delay": 1.0, "max_delay": 60.0},
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
-        "stats": {},
+        "stats": {"after": 0},  # the full pass; the bounded one: test_stats_floor.py
     }
 
 

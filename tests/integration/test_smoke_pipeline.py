@@ -13,14 +13,16 @@ from tests.conftest import Env
 pytestmark = pytest.mark.core  # run on every tested PostgreSQL (CONTRIBUTING.md)
 
 
-def make_relay(env: Env, **overrides: object) -> Relay:
+def make_relay(env: Env, *, background_stats: bool = False, **overrides: object) -> Relay:
+    """A relay in this process. Its stats passes run in ``turn`` when due (a test drives them),
+    unless ``background_stats``: then on their thread, started by ``run``."""
     settings = env.relay_settings(**overrides)
     store = OutboxStore(settings.database_url, settings.table)
     publisher = AmqpPublisher(settings.amqp_url, ledger_stream=settings.ledger_stream,
                               ledger_max_age=settings.ledger_max_age,
                               confirm_timeout=settings.confirm_timeout,
                               connect_timeout=settings.connect_timeout)
-    return Relay(settings, store, publisher)
+    return Relay(settings, store, publisher, background_stats=background_stats)
 
 
 def drain_relay(relay: Relay, max_batches: int = 10_000) -> None:

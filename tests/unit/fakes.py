@@ -42,12 +42,14 @@ from outbox_relay.model import (
     HorizonHolder,
     Message,
     OutboxRow,
+    OutboxStats,
     PreparedXact,
     PublishResult,
     Reason,
     SessionRole,
 )
 from outbox_relay.postgres import is_connection_error, translate
+from outbox_relay.relay.marks import ClaimMarks
 
 CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
@@ -202,6 +204,8 @@ class FakeStore(_Scripted):
         self.ledger_key = b"k" * 32
         self.database = "fake"
         self._xid = 1000
+        self.marks = ClaimMarks()  # the real store's claims move it; the stats pass lowers it
+        self.stats_source = FakeStatsSession(self)  # what stats_session() hands out
 
     # -- test helpers ------------------------------------------------------------------------
 
@@ -381,11 +385,14 @@ class FakeStore(_Scripted):
         self._raise(fault)
         return dead
 
-    def stats(self) -> tuple[int, float, int]:
-        fault = self._enter("stats", "stats")
-        self._raise(fault)
-        never_due = sum(1 for r in self.rows.values() if r.available_at == float("inf"))
-        return len(self.rows) + len(self.locked_ids()), self.lag, never_due
+    def stats_session(self) -> FakeStatsSession:
+        return self.stats_source
+
+    def keepalive(self) -> None:
+        """Recorded in ``calls`` only (not journaled: it changes nothing)."""
+        self.calls.append(("keepalive", {}))
+        if not self.is_connected:
+            raise ProtocolViolation("FakeStore.keepalive called while disconnected")
 
     def dead_letter_never_due(self, limit: int) -> list[tuple[int, str, str]]:
         """Rows with ``available_at`` infinite (a key's oldest only), as the real query."""
@@ -588,6 +595,40 @@ class StopWhen:
         return self.requested
 
 
+class FakeStatsSession(_Scripted):
+    """The relay's stats session on a FakeStore (``StatsSource``, outbox_relay/runtime/stats.py):
+    a session of its own, journaled in the store's journal as ``stats``. ``unreachable``: what
+    connect raises while set."""
+
+    def __init__(self, store: FakeStore) -> None:
+        super().__init__(store.journal)
+        self.store = store
+        self.connects = 0
+        self.unreachable: BaseException | None = None
+
+    def connect(self) -> None:
+        self.connects += 1
+        if self.unreachable is not None:
+            raise self.unreachable
+        self.is_connected = True
+
+    def close(self) -> None:
+        self.is_connected = False
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        return translate(exc) if isinstance(exc, psycopg.Error) else exc
+
+    def stats(self, after: int) -> OutboxStats:
+        """The rows above ``after`` (claimed ones included: not published yet), as the query."""
+        fault = self._enter("stats", "stats", after=after)
+        store = self.store
+        ids = [row_id for row_id in [*store.rows, *store.locked_ids()] if row_id > after]
+        never_due = sum(1 for row in store.rows.values()
+                        if row.id > after and row.available_at == float("inf"))
+        self._raise(fault)
+        return OutboxStats(len(ids), store.lag, never_due, min(ids, default=None))
+
+
 # -- the resolver's servers -----------------------------------------------------------------------
 
 LEDGER_KEY = b"k" * 32
@@ -702,8 +743,12 @@ class FakePreparedStore:
         cluster = self._session()
         return len(cluster.prepared), cluster.max_prepared
 
+    def stats_session(self) -> FakeResolverStatsSession:
+        return FakeResolverStatsSession(self)
+
+    # What the stats session answers (a test's subclass may script them).
     def outbox_stats(self) -> tuple[int, float]:
-        stats = self._session().stats
+        stats = self.cluster.stats
         if isinstance(stats, DatabaseError):
             raise stats
         return stats
@@ -715,6 +760,40 @@ class FakePreparedStore:
         cluster = self._session()
         return ([gid for gid in cluster.prepared if gid.startswith(prefix + ":")],
                 [instance for (cls, instance) in cluster.locks if cls == lock_class])
+
+
+class FakeResolverStatsSession:
+    """The resolver's stats session (``OutboxStatsSource``, resolver/worker.py): a session of
+    its own on the cluster, answering with its store's ``outbox_stats`` and ``blocked_keys``.
+    ``unreachable``: what connect raises while set."""
+
+    def __init__(self, store: FakePreparedStore) -> None:
+        self.store = store
+        self.is_connected = False
+        self.connects = 0
+        self.unreachable: BaseException | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.is_connected
+
+    def connect(self) -> None:
+        self.connects += 1
+        if self.unreachable is not None:
+            raise self.unreachable
+        self.is_connected = True
+
+    def close(self) -> None:
+        self.is_connected = False
+
+    def stats(self, after: int) -> OutboxStats:
+        if not self.is_connected:
+            raise ProtocolViolation("stats on a closed session")
+        backlog, lag = self.store.outbox_stats()
+        return OutboxStats(backlog, lag, 0, None)
+
+    def blocked_keys(self) -> int:
+        return self.store.blocked_keys()
 
 
 @dataclass

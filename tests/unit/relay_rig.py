@@ -89,7 +89,7 @@ def make_rig(monkeypatch: pytest.MonkeyPatch, *, missing: set[str] | None = None
 
     shutdown = StopWhen()
     relay = Relay(RelaySettings(**values), store, publisher, metrics=RelayMetrics(), fault=fault,
-                  shutdown=shutdown, instance=INSTANCE)
+                  shutdown=shutdown, instance=INSTANCE, background_stats=False)
     rig = Rig(relay, store, publisher, journal, faults, shutdown)
     if connect:
         relay.ensure_connected()

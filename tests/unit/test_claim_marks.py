@@ -135,3 +135,48 @@ def test_a_writer_seen_only_after_the_claim_holds_the_candidate() -> None:
     marks.observe(after=0, full=False, writers=[], writers_after=[], claimed=[], waiting=None,
                   first=None)
     assert marks.mark == 7
+
+
+def test_lower_floor_makes_the_next_claim_a_full_look_from_below_the_row() -> None:
+    """A full stats pass (outbox_relay/runtime/stats.py) saw row 41 at or below the floor (it
+    came back there): the next claim looks from 40, whatever the interval says."""
+    clock = Clock()
+    marks = ClaimMarks(interval=3600.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(101, True), (102, True)], waiting=None, first=None)
+    assert (marks.mark, marks.floor) == (102, 100)
+    marks.lower_floor(45)
+    marks.lower_floor(40)  # two requests before a claim: the lower one holds
+    assert (marks.mark, marks.floor) == (102, 100)  # applied by the claim thread, in start()
+    assert marks.start() == (40, True) and (marks.mark, marks.floor) == (40, 40)
+    assert marks.full_looks == 2
+    marks.observe(after=40, full=True, writers=[], writers_after=[], claimed=[(41, True)],
+                  waiting=None, first=None)
+    assert marks.floor == 40  # 41 is ours, in flight
+    assert marks.start() == (41, False)  # the request was applied once
+
+
+def test_lower_floor_above_the_floor_changes_only_the_look() -> None:
+    marks = ClaimMarks(interval=3600.0, clock=Clock())
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(11, True)],
+                  waiting=None, first=None)
+    marks.lower_floor(20)
+    assert marks.start() == (10, True) and marks.floor == 10
+
+
+def test_lower_floor_is_safe_from_another_thread() -> None:
+    import threading
+
+    marks = ClaimMarks(interval=3600.0, clock=Clock())
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(1001, True)],
+                  waiting=None, first=None)
+    threads = [threading.Thread(target=lambda n=n: [marks.lower_floor(1000 - n - i)
+                                                    for i in range(100)]) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert marks.start() == (1000 - 3 - 99, True)

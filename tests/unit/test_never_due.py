@@ -27,7 +27,7 @@ def test_a_row_never_due_is_dead_lettered_once_it_is_its_keys_oldest(
         assert list(rig.store.dead_letter) == [keyless]
         assert sorted(rig.store.rows) == [first, never, later]
 
-        rig.relay._next_stats = 0.0  # the stats are due again
+        rig.relay.stats.next_at = 0.0  # the stats are due again
         rig.relay.turn()  # publishes the key's first row; the stats then move the next one
     assert list(rig.store.dead_letter) == [keyless, never]
     assert sorted(rig.store.rows) == [later]  # held behind the dead letter

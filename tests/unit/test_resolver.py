@@ -51,7 +51,7 @@ class World:
         values.update(settings)
         return Resolver(ResolverSettings(**values), metrics=ResolverMetrics(),
                         store=FakePreparedStore(self.cluster, name=name, role=role),
-                        ledger=self.ledger, shutdown=StopWhen())
+                        ledger=self.ledger, shutdown=StopWhen(), background_stats=False)
 
     def batch(self, instance: int, sequence: int = 1, *, alive: bool = False,
               owner: str = "relay", at: float | None = None) -> PreparedXact:
@@ -300,7 +300,7 @@ def test_a_dead_relays_batch_is_finished_before_the_metrics_queries(world: World
     store = OrderedStore(world.cluster)
     resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
                                          amqp_url="amqp://x@h/%2F"), metrics=ResolverMetrics(),
-                        store=store, ledger=world.ledger)
+                        store=store, ledger=world.ledger, background_stats=False)
 
     resolver.resolve_once()
 
@@ -317,7 +317,7 @@ def test_a_scan_that_cannot_decide_still_refreshes_the_metrics(world: World) -> 
     store = OrderedStore(world.cluster)
     resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
                                          amqp_url="amqp://x@h/%2F"), metrics=ResolverMetrics(),
-                        store=store, ledger=world.ledger)
+                        store=store, ledger=world.ledger, background_stats=False)
 
     with pytest.raises(TransientError, match="no progress"):
         resolver.resolve_once()

@@ -45,7 +45,8 @@ def make(_monkeypatch: pytest.MonkeyPatch, answers: list[Any], **settings: Any
     store = CountingStore(answers)
     resolver = Resolver(ResolverSettings(database_url="postgresql://x@h/db",
                                          amqp_url="amqp://x@h/%2F", **settings),
-                        metrics=ResolverMetrics(), store=store, ledger=FakeLedger(store.cluster))
+                        metrics=ResolverMetrics(), store=store, ledger=FakeLedger(store.cluster),
+                        background_stats=False)
     return resolver, store
 
 

@@ -95,7 +95,7 @@ def test_run_refreshes_backlog_and_lag(monkeypatch: pytest.MonkeyPatch) -> None:
 
     run_loop(rig, 1)
 
-    assert rig.store.called("stats") == [{}]
+    assert rig.store.stats_source.called("stats") == [{"after": 0}]  # the first pass: full
     assert rig.metric("outbox_relay_backlog_events") == 1
     assert rig.metric("outbox_relay_lag_seconds") == 4.5
 
@@ -105,7 +105,7 @@ def test_stats_are_not_refreshed_before_the_interval(monkeypatch: pytest.MonkeyP
 
     run_loop(rig, 4)
 
-    assert len(rig.store.called("stats")) == 1
+    assert len(rig.store.stats_source.called("stats")) == 1
 
 
 # -- faults and reconnects --------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""The stats passes against real PostgreSQL (outbox_relay/runtime/stats.py; issue 36): a pass
+from the floor counts what a full pass counts above it; a row that appears below both floors
+(the stats' and the claims') is counted by the next full pass, which has the relay's claims
+look from below it; the passes' thread and its own session, which reconnects when it is
+cut and goes away with the relay."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from devenv import checker
+from outbox_relay import postgres
+from outbox_relay.model import OutboxStats
+from outbox_relay.relay.marks import ClaimMarks
+from outbox_relay.relay.store import OutboxStore
+from outbox_relay.relay.worker import Relay
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.worker import Resolver
+from outbox_relay.runtime import stats
+from outbox_relay.tables import Tables
+from tests.conftest import Env
+from tests.integration.test_smoke_pipeline import make_relay
+
+LOOK = 0.3  # the claims' full-look interval here: their floor moves within the test
+
+
+def insert(conn: psycopg.Connection[Any], env: Env, count: int, prefix: str) -> list[int]:
+    rows = conn.execute(sql.SQL(
+        "INSERT INTO {} (message_id, exchange, routing_key, payload) "
+        "SELECT %(p)s || n, %(e)s, %(r)s, jsonb_build_object('n', n) "
+        "FROM generate_series(1, %(count)s) AS n RETURNING id").format(Tables(env.table).outbox),
+        {"p": prefix, "e": env.exchange, "r": env.routing_key, "count": count}).fetchall()
+    return sorted(row[0] for row in rows)
+
+
+def pass_from(session: postgres.StatsSession, after: int) -> OutboxStats:
+    return session.stats(after)
+
+
+def backlog(relay: Relay) -> float:
+    return relay.metrics.backlog._value.get()  # type: ignore[no-any-return]
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_pass_from_the_floor_counts_as_the_full_one_and_a_full_one_finds_a_low_id(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats, "FULL_STATS_INTERVAL", 3600.0)  # full passes when we say
+    with env.connect() as conn:
+        ids = insert(conn, env, 100, "row-")
+    relay = make_relay(env, batch_size=10, stats_interval=3600)
+    relay.store.marks = ClaimMarks(interval=LOOK)
+    relay.ensure_connected()
+    session = relay.store.stats_session()
+    session.connect()
+    try:
+        relay._refresh_stats()  # the first pass: the whole table
+        assert backlog(relay) == 100 and relay._stats_floor.floor == ids[0] - 1
+        for _ in range(5):
+            assert relay.run_batch() == 10
+        relay.stats.next_at = 0.0
+        relay._refresh_stats()  # from the floor: the rows published since are behind it
+        floor = relay._stats_floor.floor
+        assert backlog(relay) == 50 and floor == ids[50] - 1
+        bounded, full = pass_from(session, floor), pass_from(session, 0)
+        assert (bounded.backlog, bounded.never_due, bounded.lowest) == (
+            full.backlog, full.never_due, full.lowest) == (50, 0, ids[50])
+        assert abs(bounded.lag - full.lag) < 1.0
+        # The bounded pass walks the primary key from the floor, never the whole table.
+        with session.session.transaction():
+            session.session.execute(postgres.BOUNDED_STATS_SETUP)
+            plan = session.session.execute(
+                sql.SQL("EXPLAIN (FORMAT JSON) ") + session.tables.query("stats"),
+                {"after": floor}).fetchone()
+        assert plan is not None and "Seq Scan" not in str(plan[0]), plan
+
+        time.sleep(LOOK)  # the next claim is a full look: the claims' floor moves up to 50
+        while relay.run_batch():
+            pass
+        claims_floor = relay.store.marks.floor
+        assert claims_floor >= ids[50] - 1, claims_floor
+        relay.stats.next_at = 0.0
+        relay._refresh_stats()
+        assert backlog(relay) == 0
+
+        # A row comes back below both floors (a restored row, or one of a late commit).
+        low = ids[4]
+        with env.connect() as conn:
+            conn.execute(sql.SQL(
+                "INSERT INTO {} (id, message_id, exchange, routing_key, payload) "
+                "OVERRIDING SYSTEM VALUE VALUES (%s, 'low', %s, %s, '{{}}')").format(
+                Tables(env.table).outbox), (low, env.exchange, env.routing_key))
+        time.sleep(LOOK)
+        assert relay.run_batch() == 0  # the claims' full look starts at their floor: not seen
+        relay.stats.next_at = 0.0
+        relay._refresh_stats()
+        assert backlog(relay) == 0  # nor by a pass from the stats' floor
+        monkeypatch.setattr(stats, "FULL_STATS_INTERVAL", 0.0)
+        relay.stats.next_at = 0.0
+        relay._refresh_stats()  # a full pass: counted, and the claims' floor lowered
+        assert backlog(relay) == 1
+        assert relay._stats_floor.floor == low - 1
+        assert relay.run_batch() == 1
+        assert relay.store.marks.floor <= low - 1
+    finally:
+        session.close()
+        relay.close()
+    delivered = checker.drain(env.amqp_url, env.queue, expected={"low"} | {
+        f"row-{n}" for n in range(1, 101)})
+    assert {d.message_id for d in delivered} >= {"low"}
+
+
+def stats_backends(env: Env, name: str) -> int:
+    with env.connect() as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                           (name,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_relays_stats_thread_reconnects_its_own_session_and_ends_with_the_relay(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    name = f"test-{env.gid_prefix}"
+    with env.connect() as conn:
+        insert(conn, env, 30, "t-")
+    settings = env.relay_settings(stats_interval=0.05)
+    relay = make_relay(env, background_stats=True, stats_interval=0.05)
+    relay.store = OutboxStore(settings.database_url, settings.table, application_name=name)
+    relay.stats.start()
+    try:
+        wait_for(lambda: backlog(relay) == 30)
+        assert stats_backends(env, f"{name} stats") == 1
+        assert stats_backends(env, name) == 0  # the relay's own sessions are not needed
+        with caplog.at_level(logging.WARNING, logger="relay"), env.connect() as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE application_name = %s", (f"{name} stats",))
+            insert(conn, env, 5, "u-")
+            wait_for(lambda: backlog(relay) == 35)  # a new session, after the backoff
+        assert [getattr(r, "action", "") for r in caplog.records] == ["stats_failed"]
+    finally:
+        relay.close()
+    assert not relay.stats.running
+    wait_for(lambda: stats_backends(env, f"{name} stats") == 0)
+
+
+def test_the_resolvers_stats_thread_sets_its_gauges(env: Env) -> None:
+    with env.connect() as conn:
+        insert(conn, env, 12, "r-")
+    metrics = ResolverMetrics()
+    resolver = Resolver(env.resolver_settings(stats_interval=0.05), metrics=metrics)
+    resolver.stats.start()
+    try:
+        wait_for(lambda: metrics.backlog._value.get() == 12)
+        assert metrics.blocked_keys._value.get() == 0
+    finally:
+        resolver.stats.stop()
+        resolver.close()
+    assert not resolver.stats.running

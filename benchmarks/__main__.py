@@ -55,7 +55,7 @@ from benchmarks import (
     throughput,
 )
 from benchmarks.workload import Servers, code_version, declare_sink, say
-from devenv.servers import PostgresServer, RabbitServer
+from devenv.servers import PostgresServer, RabbitServer, ServerError, pg_bindir, pg_version
 from outbox_relay.relay.faults import CRASH_POINTS
 from outbox_relay.relay.settings import RelaySettings
 from outbox_relay.schema import migrate
@@ -177,9 +177,13 @@ def machine(load: tuple[float, float, float]) -> dict[str, Any]:
             cpu = line.split(":", 1)[1].strip()
             break
     summary = f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+    try:  # the PostgreSQL the run's own server runs (OUTBOX_TEST_PG picks it)
+        postgresql = str(pg_version(pg_bindir()))
+    except ServerError as exc:
+        postgresql = f"unknown: {exc}"
     return {"summary": summary, "cores": os.cpu_count(), "cpu": cpu,
             "python": platform.python_version(), "kernel": platform.release(),
-            "load_average_at_start": [round(x, 2) for x in load]}
+            "postgresql": postgresql, "load_average_at_start": [round(x, 2) for x in load]}
 
 
 def _median_entry(runs: list[Any], python_cpu: str) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from outbox_relay.runtime.connections import ConnectionEvents
 from outbox_relay.runtime.health import Health, stall_threshold
 from outbox_relay.runtime.loop import Loop
 from outbox_relay.runtime.signals import Shutdown, Stop
-from outbox_relay.runtime.stats import StatsFloor, StatsPasses, StatsSource
+from outbox_relay.runtime.stats import LazySession, StatsFloor, StatsPasses, StatsSource
 
 log = logging.getLogger("relay")
 
@@ -193,12 +193,13 @@ class Relay(Loop):
         # stats thread's; what they found that the loop must act on, the loop's.
         self._background_stats = background_stats
         self._stats_floor = StatsFloor()
-        self._stats_source: StatsSource | None = None
+        self._stats_session = LazySession(lambda: self.store.stats_session())  # store read late
         self._never_due = threading.Event()  # the last pass counted rows never due
         self._next_keepalive = 0.0  # the main session's next trivial statement (monotonic)
         self.stats = StatsPasses(name="outbox-relay stats", interval=settings.stats_interval,
                                  max_delay=settings.reconnect_max_delay,
-                                 run_pass=self._stats_pass, reset=self._stats_reset, log=log)
+                                 run_pass=self._stats_pass, reset=self._stats_session.close,
+                                 log=log)
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
         self._idle = settings.poll_min_interval  # the next empty poll's wait
         self._ahead: Ahead | None = None
@@ -711,11 +712,7 @@ class Relay(Loop):
         due wait, and the claims' safety net: a full pass that sees a row at or below the claim
         marks' floor (it came back there after the floor moved) has the next claim look from
         below it (ClaimMarks.lower_floor)."""
-        if self._stats_source is None:
-            self._stats_source = self.store.stats_session()
-        source = self._stats_source
-        if not source.connected:
-            source.connect()
+        source = self._stats_session.get()
         after, full = self._stats_floor.start()
         stats = source.stats(after)
         self._stats_floor.observe(full=full, lowest=stats.lowest)
@@ -726,10 +723,6 @@ class Relay(Loop):
         marks = self.store.marks
         if full and stats.lowest is not None and stats.lowest <= marks.floor:
             marks.lower_floor(stats.lowest - 1)
-
-    def _stats_reset(self) -> None:
-        if self._stats_source is not None:
-            self._stats_source.close()
 
     def _dead_letter_never_due(self) -> None:
         """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved

@@ -45,7 +45,7 @@ from outbox_relay.runtime.connections import ConnectionEvents
 from outbox_relay.runtime.health import Health, stall_threshold
 from outbox_relay.runtime.loop import Loop
 from outbox_relay.runtime.signals import Shutdown, Stop
-from outbox_relay.runtime.stats import StatsFloor, StatsPasses, StatsSource
+from outbox_relay.runtime.stats import LazySession, StatsFloor, StatsPasses, StatsSource
 
 log = logging.getLogger("resolver")
 
@@ -154,10 +154,11 @@ class Resolver(Loop):
         # The outbox's stats passes (outbox_relay/runtime/stats.py): the stats thread's.
         self._background_stats = background_stats
         self._stats_floor = StatsFloor()
-        self._stats_source: OutboxStatsSource | None = None
+        self._stats_session = LazySession(lambda: self.store.stats_session())  # store read late
         self.stats = StatsPasses(name="outbox-resolver stats", interval=settings.stats_interval,
                                  max_delay=settings.reconnect_max_delay,
-                                 run_pass=self._stats_pass, reset=self._stats_reset, log=log)
+                                 run_pass=self._stats_pass, reset=self._stats_session.close,
+                                 log=log)
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
 
     # -- one pass ---------------------------------------------------------------------------
@@ -253,11 +254,7 @@ class Resolver(Loop):
         database every OUTBOX_STATS_INTERVAL instead of once per relay, on the stats thread
         (outbox_relay/runtime/stats.py). A table that is missing (not migrated yet) or not
         readable by this role is said once and exported as NaN, never a false 0."""
-        if self._stats_source is None:
-            self._stats_source = self.store.stats_session()
-        source = self._stats_source
-        if not source.connected:
-            source.connect()
+        source = self._stats_session.get()
         after, full = self._stats_floor.start()
         try:
             stats = source.stats(after)
@@ -278,10 +275,6 @@ class Resolver(Loop):
         self.metrics.backlog.set(stats.backlog)
         self.metrics.lag.set(stats.lag)
         self.metrics.blocked_keys.set(blocked)
-
-    def _stats_reset(self) -> None:
-        if self._stats_source is not None:
-            self._stats_source.close()
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit.

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from outbox_relay.errors import OutboxError, describe
 from outbox_relay.model import OutboxStats
@@ -144,7 +144,6 @@ class StatsPasses:
                 self._reset()
 
 
-
 class StatsSource(Protocol):
     """A session the stats passes run on (outbox_relay/postgres.py, StatsSession). Errors:
     TransientError (cannot connect), DatabaseError."""
@@ -154,3 +153,26 @@ class StatsSource(Protocol):
     def connect(self) -> None: ...
     def close(self) -> None: ...
     def stats(self, after: int) -> OutboxStats: ...
+
+
+Source = TypeVar("Source", bound=StatsSource)
+
+
+class LazySession(Generic[Source]):
+    """The stats thread's session: made on the first pass, connected whenever it is not,
+    closed on ``close`` (a pass failed, the thread ends)."""
+
+    def __init__(self, make: Callable[[], Source]) -> None:
+        self._make = make
+        self.current: Source | None = None  # None until the first pass
+
+    def get(self) -> Source:
+        if self.current is None:
+            self.current = self._make()
+        if not self.current.connected:
+            self.current.connect()
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()

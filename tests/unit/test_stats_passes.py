@@ -299,7 +299,7 @@ def test_the_resolvers_stats_session_lost_is_said_once_and_reconnected(
     built, store = resolver(stats_interval=0.000001)
     store.cluster.stats = (7, 1.5)
     built.resolve_once()
-    session = built._stats_source
+    session = built._stats_session.current
     assert session is not None and session.connected
     store.cluster.stats = DatabaseError("terminating connection", sqlstate="57P01")
     with caplog.at_level(logging.WARNING, logger="resolver"):
@@ -321,7 +321,7 @@ def test_the_resolvers_loop_runs_no_stats_pass_itself_with_the_thread() -> None:
                      metrics=ResolverMetrics(), store=store, ledger=FakeLedger(store.cluster))
     built.connect()
     built.resolve_once()
-    assert built._stats_source is None  # the thread's, started by run()
+    assert built._stats_session.current is None  # the thread's, started by run()
 
 
 def test_the_main_session_gets_a_statement_every_interval_while_idle(

@@ -11,12 +11,15 @@ the claim session's settings, without taking locks, so it never competes with th
 timed every second, with the dead tuples the table holds, and the buffers of the outbox every
 other session touched per event (the claims' work, whatever the machine's load). The table's
 size (relpages, the heap's and each index's bytes, n_dead_tup) is read before the snapshot, at
-its end, and after one plain VACUUM run once the snapshot is released (what an autovacuum
-does): whether the table comes back to its size before or stays bloated for good.
+its end, after one plain VACUUM run once the snapshot is released (what an autovacuum
+does: the table stays at its size, its pages free for reuse), and after ``outbox-relay
+compact`` (default settings, under the same load: the rewrite gives them back; how long
+writers waited on it is in its log line and in the minute's latency).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -29,6 +32,7 @@ from benchmarks import processes
 from benchmarks.latency import percentile
 from benchmarks.steady import Consumer, Producer
 from benchmarks.workload import Servers, reset, say
+from devenv import launch
 from outbox_relay.relay import store
 
 # The claim's fresh branch as the claim session plans it (sql/queries.sql), minus FOR UPDATE.
@@ -115,6 +119,10 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             sizer.execute("VACUUM outbox")
             time.sleep(1.0)  # the statistics collector reports the VACUUM
             sizes["after_vacuum"] = table_size(sizer)
+        compacted = compact(servers, logdir)
+        with psycopg.connect(servers.db_url, autocommit=True) as sizer:
+            time.sleep(1.0)
+            sizes["after_compact"] = table_size(sizer)
         produced = producer.result()
         received = consumer.wait_for(range(produced.count), timeout=120)
     finally:
@@ -125,7 +133,27 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     final.check_exactly_once(produced.count, servers.db_url, "bloat run")
     summary = summarize(list(produced.commit_at), list(received.arrived_at), probes, origin,
                         warm=warm, hold=hold, bucket=bucket, rate=rate)
-    return {**summary, "table_size": sizes}
+    return {**summary, "table_size": sizes, "compact": compacted}
+
+
+def compact(servers: Servers, logdir: Path) -> dict[str, Any]:
+    """``outbox-relay compact`` at its default settings, under the load: its ``compacted`` line
+    (blocked_seconds: how long writers could have waited on the rewrite), or its failure."""
+    log_path = logdir / "bloat-compact.log"
+    env = launch.program_env(servers.db_url, servers.amqp_url, OUTBOX_LOG_FORMAT="json")
+    started = time.monotonic()
+    proc = launch.launch("relay", env, log_path, "compact")
+    code = proc.wait(300)
+    elapsed = time.monotonic() - started
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"compacted"' in line:
+            fields = json.loads(line)
+            say(f"bloat: compacted in {elapsed:.1f} s, writers waited at most "
+                f"{fields['blocked_seconds']} s")
+            return {"exit_code": code, "elapsed_s": round(elapsed, 2),
+                    **{k: fields[k] for k in ("blocked_seconds", "attempts")}}
+    say(f"bloat: compact exited {code}; see {log_path}")
+    return {"exit_code": code, "elapsed_s": round(elapsed, 2)}
 
 
 def summarize(commit_at: list[float], arrived_at: list[float],
@@ -175,3 +203,5 @@ def print_table(result: dict[str, Any]) -> None:
     for moment, size in result["table_size"].items():
         say(f"  {moment}: relpages {size['relpages']}, heap {size['heap_bytes']:,} B, "
             f"indexes {size['index_bytes_total']:,} B, n_dead_tup {size['n_dead_tup']}")
+    if "compact" in result:
+        say(f"  compact: {result['compact']}")

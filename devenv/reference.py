@@ -49,6 +49,7 @@ COMMANDS: tuple[tuple[str, Sequence[options.Option[Any]]], ...] = (
     ("resolver", resolver_settings.RESOLVER_OPTIONS),
     ("migrate", relay_cli.MIGRATE_OPTIONS),
     ("dead-letter", relay_cli.DEAD_LETTER_OPTIONS),
+    ("compact", relay_cli.COMPACT_OPTIONS),
     ("outbox-inbox", inbox_cli.INBOX_OPTIONS),
 )
 
@@ -117,7 +118,7 @@ def configuration_md() -> str:
         lines.append(f"| {names} | " + " | ".join(used) + f" | {default} | {meaning} |")
     lines += [
         "",
-        "`outbox-relay migrate` and `outbox-relay dead-letter` read only the settings marked for them;",
+        "`outbox-relay migrate`, `dead-letter` and `compact` read only the settings marked for them;",
         "`outbox-inbox` (a consumer's inbox tables: [python-api.md](python-api.md#the-inbox-tables))",
         "runs in the consumer's database, with settings of its own.",
         "Exit codes and signals: [operations.md](operations.md#exit-codes-and-signals).",
@@ -163,7 +164,7 @@ def metrics_table() -> str:
 def log_actions_table() -> str:
     lines = ["| `action` | Level | Program | Fields | When |", "|---|---|---|---|---|"]
     for entry in log_actions.ACTIONS:
-        program = _code(entry.program) if entry.program == "migrate" else entry.program
+        program = _code(entry.program) if entry.program in ("migrate", "compact") else entry.program
         lines.append(f"| {', '.join(_code(a) for a in entry.actions)} | {entry.level} | {program} "
                      f"| {entry.fields} | {entry.when} |")
     return "\n".join(lines) + "\n"

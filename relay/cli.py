@@ -1,5 +1,5 @@
 """``outbox-relay``: run the relay (default), apply the schema (``migrate``), inspect, requeue and
-discard the dead letters (``dead-letter``)."""
+discard the dead letters (``dead-letter``), give back a bloated outbox's space (``compact``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ from typing import Any
 import psycopg
 
 from outbox_relay import schema
-from outbox_relay.errors import ConfigError, OutboxError, StartupCheckError
+from outbox_relay.errors import (
+    ConfigError,
+    OutboxError,
+    StartupCheckError,
+    TransientError,
+    describe,
+)
 from outbox_relay.inbox_cli import age_seconds
 from outbox_relay.postgres import connect_pinned
-from outbox_relay.relay import dead_letter
+from outbox_relay.relay import compact, dead_letter
 from outbox_relay.relay.faults import Fault, no_fault
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.publisher import AmqpPublisher
@@ -36,6 +42,9 @@ log = logging.getLogger("relay")
 MIGRATE_OPTIONS = (options.DATABASE_URL, options.TABLE, options.CONNECT_TIMEOUT,
                    options.LOG_LEVEL, options.LOG_FORMAT)
 DEAD_LETTER_OPTIONS = (options.DATABASE_URL, options.TABLE, options.CONNECT_TIMEOUT)
+COMPACT_OPTIONS = (options.DATABASE_URL, options.TABLE, compact.LOCK_TIMEOUT, compact.MAX_BLOCK,
+                   compact.ATTEMPTS, options.CONNECT_TIMEOUT, options.LOG_LEVEL,
+                   options.LOG_FORMAT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Every flag can also be set by the environment variable shown in its help.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,migrate,dead-letter,compact}")
     run = sub.add_parser("run", help="relay events (the default)")
     options.add_options(run, RELAY_OPTIONS)
     mig = sub.add_parser(
@@ -104,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     confirm.add_argument("--dry-run", action="store_true",
                          help="print what would be discarded, discard nothing")
     options.add_options(drop, DEAD_LETTER_OPTIONS)
+    shrink = sub.add_parser(
+        "compact", help="give back the space a long-held snapshot left in the outbox",
+        description="VACUUM the outbox, then rewrite it and its indexes with its live rows "
+        "only (VACUUM FULL), as its owner: producers and relays wait while the rewrite holds "
+        "the table, at most OUTBOX_COMPACT_LOCK_TIMEOUT + OUTBOX_COMPACT_MAX_BLOCK seconds an "
+        "attempt; a rewrite that would take longer is rolled back. Run it once the snapshot "
+        "that made the table grow has ended. Exit codes: 0 done (--dry-run: sizes printed), 1 "
+        "not done (the table stayed locked, or the rewrite took too long; nothing changed) or "
+        "PostgreSQL unreachable, 2 bad arguments, 3 the table is missing or this role may not "
+        "rewrite it.")
+    shrink.add_argument("--dry-run", action="store_true",
+                        help="print the table's size and whether this role may compact it; "
+                        "change nothing")
+    options.add_options(shrink, COMPACT_OPTIONS)
     return parser
 
 
@@ -149,7 +172,7 @@ def main(argv: Sequence[str] | None = None, *, fault: Fault = no_fault) -> int:
                          and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
-    command = {"migrate": _migrate, "dead-letter": _dead_letter}.get(
+    command = {"migrate": _migrate, "dead-letter": _dead_letter, "compact": _compact}.get(
         args.command, lambda run_args: _run(run_args, fault))
     return run_program("outbox-relay", log, lambda: command(args))
 
@@ -203,6 +226,52 @@ def _run(args: argparse.Namespace, fault: Fault) -> int:
         relay.close()
         raise
     return EXIT_OK
+
+
+def _compact(args: argparse.Namespace) -> int:
+    values = options.resolve(args, COMPACT_OPTIONS)
+    logs.setup(values["log_level"], values["log_format"])
+    conn, tables = connect_pinned(values["database_url"], values["table"],
+                                  timeout=values["connect_timeout"],
+                                  application_name="outbox-relay compact")
+    with conn:
+        try:
+            if args.dry_run:
+                compact.check_owner(conn, tables)
+                sizes = compact.Sizes.read(conn, tables)
+                print(f"{tables.name}: table {_mb(sizes.heap_bytes)}, indexes "
+                      f"{_mb(sizes.index_bytes)}, about {sizes.live_rows} live and "
+                      f"{sizes.dead_rows} dead rows; this role may compact it")
+                return EXIT_OK
+            done = compact.compact(conn, tables, lock_timeout=values["lock_timeout"],
+                                   max_block=values["max_block"], attempts=values["attempts"])
+        except psycopg.errors.UndefinedTable:
+            raise StartupCheckError(
+                f"table {tables.name} does not exist: run outbox-relay migrate first") from None
+        except compact.CompactFailed as exc:
+            log.error("%s", exc, extra={"action": "compact_failed", "table": tables.name})
+            return EXIT_FAILED
+        except psycopg.OperationalError as exc:
+            raise TransientError(f"compact stopped: {describe(exc)}") from exc
+        except psycopg.Error as exc:  # refused by PostgreSQL: one line, nothing rewritten
+            log.error("compact failed: %s", describe(exc),
+                      extra={"action": "compact_failed", "table": tables.name})
+            return EXIT_FAILED
+    log.info("compacted %s: table %s -> %s, indexes %s -> %s; writers waited at most %.2f s",
+             tables.name, _mb(done.before.heap_bytes), _mb(done.after.heap_bytes),
+             _mb(done.before.index_bytes), _mb(done.after.index_bytes), done.blocked_seconds,
+             extra={"action": "compacted", "table": tables.name,
+                    "heap_bytes_before": done.before.heap_bytes,
+                    "heap_bytes_after": done.after.heap_bytes,
+                    "index_bytes_before": done.before.index_bytes,
+                    "index_bytes_after": done.after.index_bytes,
+                    "blocked_seconds": round(done.blocked_seconds, 3),
+                    "attempts": done.attempts})
+    return EXIT_OK
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1024**2:.1f} MB"
 
 
 def _dead_letter(args: argparse.Namespace) -> int:

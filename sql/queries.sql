@@ -739,3 +739,26 @@ WITH old AS (
 DELETE FROM {dead_letter}
 WHERE id = %(id)s AND EXISTS (SELECT FROM moved)
 RETURNING id, (SELECT id FROM moved) AS outbox_id;
+
+-- name: compact_allowed
+-- `outbox-relay compact`: may this role VACUUM FULL the outbox? Its owner (or a member of the
+-- owner role) or a superuser may; on PostgreSQL 17 and later also a role granted MAINTAIN on
+-- it (the CASE keeps older servers from parsing a privilege they do not know).
+SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
+       OR (SELECT r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = current_user)
+       OR CASE WHEN pg_catalog.current_setting('server_version_num')::integer >= 170000
+               THEN pg_catalog.has_table_privilege(c.oid, 'MAINTAIN') ELSE false END,
+       pg_catalog.pg_get_userbyid(c.relowner)
+FROM pg_catalog.pg_class AS c
+WHERE c.oid = {outbox_text}::regclass;
+
+-- name: table_size
+-- `outbox-relay compact`: the outbox's heap (with its TOAST) and indexes in bytes, the dead rows
+-- the statistics count, and the live rows VACUUM last counted (reltuples; -1 before any).
+SELECT pg_catalog.pg_relation_size(c.oid)
+       + coalesce(pg_catalog.pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0),
+       pg_catalog.pg_indexes_size(c.oid),
+       pg_catalog.pg_stat_get_dead_tuples(c.oid),
+       c.reltuples::bigint
+FROM pg_catalog.pg_class AS c
+WHERE c.oid = {outbox_text}::regclass;

@@ -19,7 +19,7 @@ class LogAction:
 
     actions: tuple[str, ...]
     level: str
-    program: str  # relay, resolver, both, migrate, or the consumer's Inbox
+    program: str  # relay, resolver, both, migrate, compact, or the consumer's Inbox
     fields: str
     when: str
 
@@ -243,5 +243,18 @@ ACTIONS: tuple[LogAction, ...] = (
         ("schema_applied",), "INFO", "migrate",
         "`table`",
         "`outbox-relay migrate` done",
+    ),
+    LogAction(
+        ("compacted",), "INFO", "compact",
+        "`table`, `heap_bytes_before`, `heap_bytes_after`, `index_bytes_before`, "
+        "`index_bytes_after`, `blocked_seconds`, `attempts`",
+        "`outbox-relay compact` rewrote the table (sizes after its plain VACUUM, and after)",
+    ),
+    LogAction(
+        ("compact_failed",), "ERROR", "compact",
+        "`table`",
+        "`outbox-relay compact` rewrote nothing: the table stayed locked through every "
+        "attempt, the rewrite passed OUTBOX_COMPACT_MAX_BLOCK and was rolled back, or "
+        "PostgreSQL refused a statement (exit 1)",
     ),
 )

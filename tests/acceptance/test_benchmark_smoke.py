@@ -145,8 +145,9 @@ def test_targets_are_judged_in_the_right_direction() -> None:
 def test_the_snapshot_scenario_runs_in_its_short_form(tmp_path: Path) -> None:
     """--snapshot MINUTES (issue 36) at a small size: the real relay and resolver at 100
     events/s, a snapshot held 30 s; p50/p99 by bucket, every event exactly once (the scenario
-    checks it), and the table's size before, at the snapshot's end and after one VACUUM: the
-    snapshot kept the claimed rows as dead tuples, the VACUUM after it removed them."""
+    checks it), and the table's size before, at the snapshot's end, after one VACUUM and after
+    `outbox-relay compact`: the snapshot kept the claimed rows as dead tuples, the VACUUM after
+    it removed them, compact gave their pages back."""
     out = tmp_path / "snapshot.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--snapshot", "0.5", "--scenario-rate", "100",
@@ -162,3 +163,7 @@ def test_the_snapshot_scenario_runs_in_its_short_form(tmp_path: Path) -> None:
     assert sizes["snapshot_end"]["n_dead_tup"] >= 100 * 20  # 30 s of claims, kept
     assert sizes["after_vacuum"]["n_dead_tup"] < sizes["snapshot_end"]["n_dead_tup"] / 2
     assert sizes["snapshot_end"]["index_bytes_total"] > 0
+    # `outbox-relay compact` after it, under the load: the pages come back.
+    assert run["compact"]["exit_code"] == 0 and run["compact"]["blocked_seconds"] < 2.1
+    assert sizes["after_compact"]["heap_bytes"] < sizes["after_vacuum"]["heap_bytes"]
+    assert sizes["after_compact"]["index_bytes_total"] < sizes["after_vacuum"]["index_bytes_total"]

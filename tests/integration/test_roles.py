@@ -154,6 +154,12 @@ def test_each_program_works_as_its_least_privileged_role(
     # The migrate role owns the tables now: it applies the schema (idempotent) on its own.
     migrated = run_cli(env, "relay", "migrate", OUTBOX_DATABASE_URL=roles["migrate"])
     assert migrated.returncode == 0, migrated.stderr
+    # It may compact the outbox; the relays' role may not (PostgreSQL would only warn): exit 3.
+    compacted = run_cli(env, "relay", "compact", OUTBOX_DATABASE_URL=roles["migrate"])
+    assert compacted.returncode == 0, compacted.stderr
+    refused_compact = run_cli(env, "relay", "compact", OUTBOX_DATABASE_URL=roles["relay"])
+    assert refused_compact.returncode == 3, refused_compact.stderr
+    assert "may not rewrite" in refused_compact.stderr
     # Every role reads the schema's version without a grant of its own (an init container).
     for kind in ("relay", "operator", "service"):
         checked = run_cli(env, "relay", "migrate", "--check", OUTBOX_DATABASE_URL=roles[kind])

@@ -460,3 +460,24 @@ def test_resolver_knows_the_outbox_table_for_the_ledger_key() -> None:
     values = resolve(ns(), RESOLVER_OPTIONS, {**REQUIRED, "OUTBOX_TABLE": "billing.events"})
 
     assert values["table"] == "billing.events"
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("OUTBOX_COMPACT_LOCK_TIMEOUT", "0"), ("OUTBOX_COMPACT_MAX_BLOCK", "-1"),
+    ("OUTBOX_COMPACT_MAX_BLOCK", "inf"), ("OUTBOX_COMPACT_ATTEMPTS", "0"),
+    ("OUTBOX_COMPACT_ATTEMPTS", "10001"),
+])
+def test_bad_compact_settings_are_refused_naming_the_env_var(env: str, value: str) -> None:
+    from outbox_relay.relay.cli import COMPACT_OPTIONS
+
+    with pytest.raises(ConfigError) as info:
+        resolve(ns(), COMPACT_OPTIONS, {**REQUIRED, env: value})
+    assert str(info.value).startswith(f"{env} ")
+    assert str(info.value).endswith(f"(got {value!r})")
+
+
+def test_compact_defaults_bound_the_writers_wait() -> None:
+    from outbox_relay.relay.cli import COMPACT_OPTIONS
+
+    values = resolve(ns(), COMPACT_OPTIONS, REQUIRED)
+    assert (values["lock_timeout"], values["max_block"], values["attempts"]) == (0.1, 2.0, 30)

@@ -1,0 +1,184 @@
+"""`outbox-relay compact` against real PostgreSQL (outbox_relay/relay/compact.py; issue 36): it
+gives back the heap and index pages VACUUM keeps, loses and changes no row, and keeps writers
+waiting no longer than its bounds, also when it cannot run (a prepared batch holds the table,
+a rewrite takes too long): then it changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from devenv import launch
+from outbox_relay.postgres import connect_pinned
+from outbox_relay.relay import compact
+from outbox_relay.tables import Tables
+from tests.conftest import ROOT, Env, finish_env, make_env
+
+
+def fill(env: Env, total: int, keep: int) -> None:
+    """``total`` rows, all deleted but the newest ``keep``: the state a held snapshot leaves
+    once it ends (a plain VACUUM frees the dead rows' space, and cannot cut a tail that holds
+    live rows)."""
+    outbox = Tables(env.table).outbox
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL(
+            "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload) "
+            "SELECT 'm' || n, %(e)s, 'k', 'key-' || n %% 50, jsonb_build_object('n', n, 'pad', "
+            "repeat('x', 200)) FROM generate_series(1, %(total)s) AS n").format(outbox),
+            {"e": env.exchange, "total": total})
+        conn.execute(sql.SQL("DELETE FROM {} WHERE id <= (SELECT max(id) FROM {}) - %s").format(
+            outbox, outbox), (keep,))
+
+
+def rows(env: Env) -> list[tuple[Any, ...]]:
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        return conn.execute(sql.SQL(
+            "SELECT id, message_id, ordering_key, payload FROM {} ORDER BY id").format(
+            Tables(env.table).outbox)).fetchall()
+
+
+def sizes(env: Env) -> compact.Sizes:
+    conn, tables = connect_pinned(env.db_url, env.table, timeout=10, application_name="test")
+    with conn:
+        return compact.Sizes.read(conn, tables)
+
+
+class Writer(threading.Thread):
+    """A producer inserting one row per transaction until stopped; its slowest INSERT."""
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(daemon=True)
+        self.env = env
+        self.stop = threading.Event()
+        self.slowest = 0.0
+        self.count = 0
+
+    def run(self) -> None:
+        statement = sql.SQL("INSERT INTO {} (exchange, routing_key, payload) "
+                            "VALUES (%s, 'k', '{{}}')").format(Tables(self.env.table).outbox)
+        with psycopg.connect(self.env.db_url, autocommit=True) as conn:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                conn.execute(statement, (self.env.exchange,))
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                self.count += 1
+                time.sleep(0.002)
+
+
+def run_compact(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(launch.command("relay", "compact", *args), env=env.cli_env(**extra),
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+
+
+@pytest.fixture
+def own_db_env(env: Env) -> Iterator[Env]:
+    """``env`` in a database of its own: a snapshot another test holds in the shared database
+    (test_xmin_horizon, the benchmark's smoke) would keep its dead rows, and the rewrite would
+    copy them."""
+    name = f"compact_{env.gid_prefix}"
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    own = make_env(urlsplit(env.db_url)._replace(path=f"/{name}").geturl(), env.amqp_url)
+    try:
+        yield own
+    finally:
+        finish_env(own, drop=False)
+        with psycopg.connect(env.db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> None:
+    env = own_db_env
+    fill(env, 200_000, keep=300)
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("VACUUM {}").format(Tables(env.table).outbox))
+    kept = rows(env)
+    before = sizes(env)
+    assert before.heap_bytes > 40 * 1024**2  # the pages VACUUM keeps
+
+    dry = run_compact(env, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "this role may compact it" in dry.stdout
+    assert sizes(env).heap_bytes == before.heap_bytes  # --dry-run changed nothing
+
+    writer = Writer(env)
+    writer.start()
+    try:
+        time.sleep(0.3)
+        done = run_compact(env, "--log-format", "json")
+        time.sleep(0.3)
+    finally:
+        writer.stop.set()
+        writer.join()
+    assert done.returncode == 0, done.stderr
+    assert '"action": "compacted"' in done.stderr
+
+    after = sizes(env)
+    assert after.heap_bytes < before.heap_bytes / 20
+    assert after.index_bytes < before.index_bytes / 10
+    now = rows(env)
+    assert now[:len(kept)] == kept  # every row kept, unchanged, in place
+    assert len(now) == len(kept) + writer.count  # and every row written meanwhile
+    assert writer.count > 0
+    # The writer waited on the rewrite no longer than its bounds (defaults: 0.1 s for the lock,
+    # 2 s for the rewrite), plus room for a slow machine's commit.
+    assert writer.slowest < 0.1 + 2 + 1
+
+
+def test_compact_waits_out_a_prepared_batch_then_gives_up_changing_nothing(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compact, "RETRY_PAUSE", 0.05)
+    fill(env, 20_000, keep=10)
+    outbox = Tables(env.table).outbox
+    gid = f"{env.gid_prefix}:compact-test"
+    with psycopg.connect(env.db_url) as batch:  # a relay's batch, prepared (or in doubt)
+        batch.execute(sql.SQL("DELETE FROM {} WHERE id = (SELECT max(id) FROM {})").format(
+            outbox, outbox))
+        batch.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    try:
+        before = sizes(env)
+        writer = Writer(env)
+        writer.start()
+        conn, tables = connect_pinned(env.db_url, env.table, timeout=10, application_name="t")
+        try:
+            with conn, pytest.raises(compact.CompactFailed, match="never free"):
+                compact.compact(conn, tables, lock_timeout=0.05, max_block=2, attempts=5)
+        finally:
+            writer.stop.set()
+            writer.join()
+        assert writer.count > 0
+        assert writer.slowest < 0.05 + 1  # each attempt queued writers for lock_timeout at most
+        assert sizes(env).heap_bytes >= before.heap_bytes  # not rewritten
+    finally:
+        with psycopg.connect(env.db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    assert len(rows(env)) == 10 + writer.count  # the batch's row is back: nothing lost
+
+
+def test_a_rewrite_past_max_block_is_rolled_back(env: Env) -> None:
+    fill(env, 100_000, keep=100_000)  # a large backlog: nothing dead, everything to copy
+    kept = rows(env)
+    before = sizes(env)
+    conn, tables = connect_pinned(env.db_url, env.table, timeout=10, application_name="t")
+    with conn:
+        with pytest.raises(compact.CompactFailed, match="OUTBOX_COMPACT_MAX_BLOCK"):
+            compact.compact(conn, tables, lock_timeout=0.001, max_block=0.001, attempts=1)
+        # The session's timeouts are its own again.
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
+    assert rows(env) == kept
+    assert sizes(env).heap_bytes == before.heap_bytes
+
+
+def test_compact_of_a_missing_table_exits_3_with_one_line(env: Env) -> None:
+    done = run_compact(env, OUTBOX_TABLE=f"{env.table}_missing")
+    assert done.returncode == 3
+    assert "does not exist: run outbox-relay migrate first" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -25,7 +25,6 @@ MAINTAIN on it): run it with the role that ran ``migrate``, not the relays'.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,6 @@ from psycopg import sql
 from outbox_relay.errors import OutboxError, StartupCheckError
 from outbox_relay.runtime.options import Option, bounded_int, positive_float
 from outbox_relay.tables import Tables
-
-log = logging.getLogger("relay")
 
 # Pause between two attempts at the lock; the tests shrink it.
 RETRY_PAUSE = 1.0
@@ -110,10 +107,11 @@ def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: floa
     check_owner(conn, tables)
     conn.execute(sql.SQL("VACUUM {}").format(tables.outbox))
     before = Sizes.read(conn, tables)
+    # Whole milliseconds, 1 at least: 0 would turn the timeout off.
     conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)",
-                 (f"{round(lock_timeout * 1000)}ms",))
+                 (f"{max(1, round(lock_timeout * 1000))}ms",))
     conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, false)",
-                 (f"{round((lock_timeout + max_block) * 1000)}ms",))
+                 (f"{max(2, round((lock_timeout + max_block) * 1000))}ms",))
     try:
         for attempt in range(1, attempts + 1):
             started = time.monotonic()

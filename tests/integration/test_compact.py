@@ -170,7 +170,8 @@ def test_a_rewrite_past_max_block_is_rolled_back(env: Env) -> None:
     conn, tables = connect_pinned(env.db_url, env.table, timeout=10, application_name="t")
     with conn:
         with pytest.raises(compact.CompactFailed, match="OUTBOX_COMPACT_MAX_BLOCK"):
-            compact.compact(conn, tables, lock_timeout=0.001, max_block=0.001, attempts=1)
+            # Below a millisecond each: still 1 ms, never 0 (which would turn them off).
+            compact.compact(conn, tables, lock_timeout=0.0001, max_block=0.0001, attempts=1)
         # The session's timeouts are its own again.
         assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
     assert rows(env) == kept

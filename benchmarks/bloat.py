@@ -32,7 +32,6 @@ from benchmarks import processes
 from benchmarks.latency import percentile
 from benchmarks.steady import Consumer, Producer
 from benchmarks.workload import Servers, reset, say
-from devenv import launch
 from outbox_relay.relay import store
 
 # The claim's fresh branch as the claim session plans it (sql/queries.sql), minus FOR UPDATE.
@@ -139,21 +138,20 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
 def compact(servers: Servers, logdir: Path) -> dict[str, Any]:
     """``outbox-relay compact`` at its default settings, under the load: its ``compacted`` line
     (blocked_seconds: how long writers could have waited on the rewrite), or its failure."""
-    log_path = logdir / "bloat-compact.log"
-    env = launch.program_env(servers.db_url, servers.amqp_url, OUTBOX_LOG_FORMAT="json")
     started = time.monotonic()
-    proc = launch.launch("relay", env, log_path, "compact")
-    code = proc.wait(300)
+    program = processes.Program("relay", servers, logdir, "bloat-compact", "compact")
+    code = program.proc.wait(300)
     elapsed = time.monotonic() - started
-    for line in log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"compacted"' in line:
-            fields = json.loads(line)
-            say(f"bloat: compacted in {elapsed:.1f} s, writers waited at most "
-                f"{fields['blocked_seconds']} s")
-            return {"exit_code": code, "elapsed_s": round(elapsed, 2),
-                    **{k: fields[k] for k in ("blocked_seconds", "attempts")}}
-    say(f"bloat: compact exited {code}; see {log_path}")
-    return {"exit_code": code, "elapsed_s": round(elapsed, 2)}
+    result: dict[str, Any] = {"exit_code": code, "elapsed_s": round(elapsed, 2)}
+    try:
+        for field in ("blocked_seconds", "attempts"):
+            result[field] = json.loads(program.log_field("compacted", field))
+    except RuntimeError:
+        say(f"bloat: compact exited {code}; see {program.log_path}")
+        return result
+    say(f"bloat: compacted in {elapsed:.1f} s, writers waited at most "
+        f"{result['blocked_seconds']} s")
+    return result
 
 
 def summarize(commit_at: list[float], arrived_at: list[float],

@@ -25,15 +25,16 @@ _SPAWN = mp.get_context("spawn")  # fresh interpreters: each process's memory is
 
 
 class Program:
-    """One running relay or resolver process with its log file."""
+    """One running relay or resolver process (``args``: a command of it, such as ``compact``)
+    with its log file."""
 
-    def __init__(self, module: str, servers: Servers, logdir: Path, name: str,
+    def __init__(self, module: str, servers: Servers, logdir: Path, name: str, *args: str,
                  **settings: str) -> None:
         env = launch.program_env(servers.db_url, servers.amqp_url,
                                  **{"OUTBOX_LOG_FORMAT": "json", **settings})
         self.name = name
         self.log_path = logdir / f"{name}.log"
-        self.proc = launch.launch(module, env, self.log_path)
+        self.proc = launch.launch(module, env, self.log_path, *args)
 
     @property
     def pid(self) -> int:

@@ -5,7 +5,6 @@ a rewrite takes too long): then it changes nothing."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,11 +15,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from devenv import launch
 from outbox_relay.postgres import connect_pinned
 from outbox_relay.relay import compact
 from outbox_relay.tables import Tables
-from tests.conftest import ROOT, Env, finish_env, make_env
+from tests.conftest import Env, finish_env, make_env
+from tests.integration.test_roles import run_cli
 
 
 def fill(env: Env, total: int, keep: int) -> None:
@@ -73,11 +72,6 @@ class Writer(threading.Thread):
                 time.sleep(0.002)
 
 
-def run_compact(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(launch.command("relay", "compact", *args), env=env.cli_env(**extra),
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-
-
 @pytest.fixture
 def own_db_env(env: Env) -> Iterator[Env]:
     """``env`` in a database of its own: a snapshot another test holds in the shared database
@@ -104,7 +98,7 @@ def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> No
     before = sizes(env)
     assert before.heap_bytes > 40 * 1024**2  # the pages VACUUM keeps
 
-    dry = run_compact(env, "--dry-run")
+    dry = run_cli(env, "relay", "compact", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "this role may compact it" in dry.stdout
     assert sizes(env).heap_bytes == before.heap_bytes  # --dry-run changed nothing
@@ -113,7 +107,7 @@ def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> No
     writer.start()
     try:
         time.sleep(0.3)
-        done = run_compact(env, "--log-format", "json")
+        done = run_cli(env, "relay", "compact", "--log-format", "json")
         time.sleep(0.3)
     finally:
         writer.stop.set()
@@ -179,7 +173,7 @@ def test_a_rewrite_past_max_block_is_rolled_back(env: Env) -> None:
 
 
 def test_compact_of_a_missing_table_exits_3_with_one_line(env: Env) -> None:
-    done = run_compact(env, OUTBOX_TABLE=f"{env.table}_missing")
+    done = run_cli(env, "relay", "compact", OUTBOX_TABLE=f"{env.table}_missing")
     assert done.returncode == 3
     assert "does not exist: run outbox-relay migrate first" in done.stderr
     assert "Traceback" not in done.stderr

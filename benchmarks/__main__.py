@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--snapshot", type=float, metavar="MINUTES",
         help="run the snapshot-held-open scenario with the snapshot held MINUTES (--bloat "
         "--bloat-seconds 60*MINUTES): p50/p99 by minute, the table's size before, at the "
-        "snapshot's end, after one VACUUM and after outbox-relay compact")
+        "snapshot's end, once the resolver has compacted it after the release, and at the end")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",

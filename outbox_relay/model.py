@@ -190,6 +190,7 @@ class HorizonHolder:
 
     xid_age: int
     age_seconds: float | None  # prepared transactions and client sessions' transactions only
+    oldest_xid: str | None = None  # that transaction id: the same one scan after scan is held
 
 
 @dataclass(frozen=True)

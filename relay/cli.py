@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_relay import schema
+from outbox_relay import compact, schema
 from outbox_relay.errors import (
     ConfigError,
     OutboxError,
@@ -22,7 +22,7 @@ from outbox_relay.errors import (
 )
 from outbox_relay.inbox_cli import age_seconds
 from outbox_relay.postgres import connect_pinned
-from outbox_relay.relay import compact, dead_letter
+from outbox_relay.relay import dead_letter
 from outbox_relay.relay.faults import Fault, no_fault
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.relay.publisher import AmqpPublisher
@@ -239,8 +239,8 @@ def _compact(args: argparse.Namespace) -> int:
             if args.dry_run:
                 compact.check_owner(conn, tables)
                 sizes = compact.Sizes.read(conn, tables)
-                print(f"{tables.name}: table {_mb(sizes.heap_bytes)}, indexes "
-                      f"{_mb(sizes.index_bytes)}, about {sizes.live_rows} live and "
+                print(f"{tables.name}: table {compact.mb(sizes.heap_bytes)}, indexes "
+                      f"{compact.mb(sizes.index_bytes)}, about {sizes.live_rows} live and "
                       f"{sizes.dead_rows} dead rows; this role may compact it")
                 return EXIT_OK
             done = compact.compact(conn, tables, lock_timeout=values["lock_timeout"],
@@ -257,21 +257,8 @@ def _compact(args: argparse.Namespace) -> int:
             log.error("compact failed: %s", describe(exc),
                       extra={"action": "compact_failed", "table": tables.name})
             return EXIT_FAILED
-    log.info("compacted %s: table %s -> %s, indexes %s -> %s; writers waited at most %.2f s",
-             tables.name, _mb(done.before.heap_bytes), _mb(done.after.heap_bytes),
-             _mb(done.before.index_bytes), _mb(done.after.index_bytes), done.blocked_seconds,
-             extra={"action": "compacted", "table": tables.name,
-                    "heap_bytes_before": done.before.heap_bytes,
-                    "heap_bytes_after": done.after.heap_bytes,
-                    "index_bytes_before": done.before.index_bytes,
-                    "index_bytes_after": done.after.index_bytes,
-                    "blocked_seconds": round(done.blocked_seconds, 3),
-                    "attempts": done.attempts})
+    compact.log_compacted(log, tables, done)
     return EXIT_OK
-
-
-def _mb(size: int) -> str:
-    return f"{size / 1024**2:.1f} MB"
 
 
 def _dead_letter(args: argparse.Namespace) -> int:

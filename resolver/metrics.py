@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 from outbox_relay import ledger
 from outbox_relay.model import Decision
+from outbox_relay.resolver.compaction import OUTCOMES
 from outbox_relay.runtime.metrics import SERVERS, standard_collectors, version
 
 DECISIONS = tuple(Decision)
@@ -22,6 +23,11 @@ FOREIGN_REASONS = ("gid", "owner")
 # Who keeps the oldest transaction id alive: our prepared batches, anyone else's prepared
 # transactions, sessions (running transactions and snapshots), replication slots.
 HORIZON_HOLDERS = ("outbox_prepared", "other_prepared", "session", "replication_slot")
+
+# The outbox's parts on disk, and what a compaction after a held snapshot came to
+# (outbox_relay/resolver/compaction.py).
+TABLE_PARTS = ("heap", "indexes")
+COMPACTIONS = OUTCOMES
 
 
 class ResolverMetrics:
@@ -79,8 +85,9 @@ class ResolverMetrics:
         self.session_transaction_age = Gauge(
             "outbox_session_transaction_age_seconds",
             "Age of the oldest open transaction or snapshot of another client session in this "
-            "database: while it lives VACUUM removes no outbox row deleted after it began, and the "
-            "table grows (OutboxVacuumHeldBySession); 0 while there is none",
+            "database (from its start, or, where PostgreSQL hides that from this role, from when "
+            "the scans first saw it): while it lives VACUUM removes no outbox row deleted after "
+            "it began, and the table grows (OutboxVacuumHeldBySession); 0 while there is none",
             registry=r)
         self.horizon_age = Gauge(
             "outbox_xmin_horizon_age_transactions",
@@ -91,6 +98,17 @@ class ResolverMetrics:
             ["holder"], registry=r)
         self.decisions = Counter(
             "outbox_resolver_decisions_total", "In-doubt transactions finished, by outcome",
+            ["outcome"], registry=r)
+        self.table_bytes = Gauge(
+            "outbox_table_bytes",
+            "The outbox's size on disk, by part: heap (with its TOAST) and indexes; read every "
+            "OUTBOX_STATS_INTERVAL. It grows while a snapshot holds VACUUM back and stays so "
+            "after, until compacted", ["part"], registry=r)
+        self.compactions = Counter(
+            "outbox_resolver_compactions_total",
+            "The resolver's compactions after a held snapshot ended, by outcome: compacted, "
+            "failed (tried again a minute later, 10 tries), not_allowed (this role may not "
+            "rewrite the table), not_needed (below OUTBOX_RESOLVER_COMPACT_ABOVE)",
             ["outcome"], registry=r)
         self.scans = Counter(
             "outbox_resolver_scans_total", "Completed scans of pg_prepared_xacts", registry=r)
@@ -120,6 +138,10 @@ class ResolverMetrics:
             self.horizon_age.labels(holder)
         for outcome in DECISIONS:
             self.decisions.labels(outcome)
+        for part in TABLE_PARTS:
+            self.table_bytes.labels(part)
+        for compaction in COMPACTIONS:
+            self.compactions.labels(compaction)
         for reason in FOREIGN_REASONS:
             self.foreign_prepared.labels(reason)
         for reason in LEDGER_REJECTIONS:

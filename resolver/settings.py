@@ -56,6 +56,19 @@ LEDGER_READ_MARGIN = Option(
         "read more of the ledger ([operations.md](operations.md#the-resolver-watch))",
 )
 
+RESOLVER_COMPACT_AFTER_HOLD = Option(
+    "compact_after_hold", "OUTBOX_RESOLVER_COMPACT_AFTER_HOLD", positive_float, "60",
+    "compact the outbox once a snapshot or transaction that held VACUUM back this many seconds "
+    "or more has ended (as outbox-relay compact does, with its default bounds)",
+    doc="[operations.md](operations.md#giving-the-space-back-after-a-held-snapshot)",
+)
+
+RESOLVER_COMPACT_ABOVE = Option(
+    "compact_above", "OUTBOX_RESOLVER_COMPACT_ABOVE", non_negative_float, "16",
+    "compact after such a hold only when the outbox (heap and indexes) is at least this many "
+    "MiB; 0 turns the resolver's compaction off",
+)
+
 LEDGER_READ_TIMEOUT = Option(
     "ledger_read_timeout", "OUTBOX_LEDGER_READ_TIMEOUT", positive_float, "30",
     "seconds a ledger read may go without receiving a single record before it fails (however "
@@ -79,6 +92,8 @@ class ResolverSettings:
     hard_limit: float = RESOLVER_HARD_LIMIT.field()
     ledger_margin: float = LEDGER_READ_MARGIN.field()
     ledger_read_timeout: float = LEDGER_READ_TIMEOUT.field()
+    compact_after_hold: float = RESOLVER_COMPACT_AFTER_HOLD.field()
+    compact_above: float = RESOLVER_COMPACT_ABOVE.field()
     metrics_host: str = METRICS_HOST.field()
     metrics_port: int = RESOLVER_METRICS_PORT.field()
     log_level: str = LOG_LEVEL.field()

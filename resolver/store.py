@@ -10,7 +10,9 @@ import psycopg
 import psycopg.errors
 
 from outbox_relay import postgres
+from outbox_relay.compact import Sizes
 from outbox_relay.model import HorizonHolder, PreparedXact, SessionRole
+from outbox_relay.resolver.compaction import Compaction
 from outbox_relay.schema import check_schema
 from outbox_relay.tables import Tables
 
@@ -40,8 +42,8 @@ def xmin_horizon(conn: psycopg.Connection[Any], prefix: str) -> dict[str, Horizo
     """{holder kind: its oldest xid}; kinds: outbox_prepared (this gid prefix), other_prepared,
     session, replication_slot. Kinds holding nothing are left out."""
     rows = conn.execute(Tables("outbox").query("xmin_horizon"), {"prefix": prefix + ":"})
-    return {holder: HorizonHolder(int(xid_age), age_seconds)
-            for holder, xid_age, age_seconds in rows}
+    return {holder: HorizonHolder(int(xid_age), age_seconds, oldest_xid)
+            for holder, xid_age, age_seconds, oldest_xid in rows}
 
 
 def prepared_slots(conn: psycopg.Connection[Any]) -> tuple[int, int]:
@@ -52,12 +54,20 @@ def prepared_slots(conn: psycopg.Connection[Any]) -> tuple[int, int]:
 
 
 class StatsSession(postgres.StatsSession):
-    """The resolver's stats session: the outbox's stats, and the keys held back behind a dead
-    letter."""
+    """The resolver's stats session: the outbox's stats, the keys held back behind a dead
+    letter, the table's size, and its compaction after a held snapshot."""
 
     @postgres.translated
     def blocked_keys(self) -> int:
         return blocked_keys(self.session, self.tables)
+
+    @postgres.translated
+    def sizes(self) -> Sizes:
+        return Sizes.read(self.session, self.tables)
+
+    @postgres.translated
+    def compact_if_due(self, compaction: Compaction) -> None:
+        compaction.run_if_due(self.session, self.tables)
 
 
 class PostgresPreparedStore:

@@ -32,9 +32,11 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from outbox_relay import ledger
+from outbox_relay.compact import Sizes
 from outbox_relay.errors import DatabaseError, DatabaseUnavailable, TransientError, describe
 from outbox_relay.gid import Gid, lock_class
 from outbox_relay.model import Decision, HorizonHolder, PreparedXact, Server, SessionRole
+from outbox_relay.resolver.compaction import Compaction, HoldClock
 from outbox_relay.resolver.ledger import AmqpLedger
 from outbox_relay.resolver.metrics import FOREIGN_REASONS, HORIZON_HOLDERS, ResolverMetrics
 from outbox_relay.resolver.rejections import Reported
@@ -65,6 +67,10 @@ class OutboxStatsSource(StatsSource, Protocol):
     dead letter (resolver/store.py, StatsSession)."""
 
     def blocked_keys(self) -> int: ...
+    def sizes(self) -> Sizes: ...
+    def compact_if_due(self, compaction: Compaction) -> None:
+        """Run ``compaction`` on this session when it is due (resolver/compaction.py)."""
+        ...
 
 
 class PreparedStore(Protocol):
@@ -160,6 +166,10 @@ class Resolver(Loop):
                                  run_pass=self._stats_pass, reset=self._stats_session.close,
                                  log=log)
         self._connections = ConnectionEvents(log, self.metrics.reconnects)
+        self._hold = HoldClock()  # how long each kind of holder has held the horizon
+        self.compaction = Compaction(
+            after_hold=settings.compact_after_hold, above_mib=settings.compact_above,
+            count=lambda outcome: self.metrics.compactions.labels(outcome).inc(), log=log)
 
     # -- one pass ---------------------------------------------------------------------------
 
@@ -240,11 +250,12 @@ class Resolver(Loop):
         xmin, so it is held back by us, not the other way round.
         """
         holders = self.store.xmin_horizon(self.settings.gid_prefix)
+        held = self._hold.held_seconds(holders)
+        self.compaction.observe(held)
         for holder in HORIZON_HOLDERS:
             found = holders.get(holder)
             self.metrics.horizon_age.labels(holder).set(found.xid_age if found else 0)
-        session = holders.get("session")
-        self.metrics.session_transaction_age.set((session.age_seconds or 0.0) if session else 0.0)
+        self.metrics.session_transaction_age.set(held.get("session", 0.0))
         ours = holders.pop("outbox_prepared", None)
         holding = ours is not None and all(ours.xid_age >= h.xid_age for h in holders.values())
         self.metrics.holding_vacuum.set((ours.age_seconds or 0.0) if ours and holding else 0.0)
@@ -275,6 +286,10 @@ class Resolver(Loop):
         self.metrics.backlog.set(stats.backlog)
         self.metrics.lag.set(stats.lag)
         self.metrics.blocked_keys.set(blocked)
+        sizes = source.sizes()
+        self.metrics.table_bytes.labels("heap").set(sizes.heap_bytes)
+        self.metrics.table_bytes.labels("indexes").set(sizes.index_bytes)
+        source.compact_if_due(self.compaction)
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit.

@@ -627,33 +627,39 @@ SELECT current_user AS role, rolsuper AS superuser FROM pg_roles WHERE rolname =
 -- name: xmin_horizon
 -- What holds back VACUUM in this database: for each kind of holder, the oldest transaction id it
 -- keeps alive (a running or prepared transaction's own xid, a snapshot's xmin, a replication
--- slot's xmin), as its age in transactions; for prepared transactions, and client sessions'
--- open transactions (from xact_start: a snapshot is never older than its transaction), also
--- in seconds (autovacuum's own snapshots hold back no VACUUM and are not timed). The
--- database's xmin horizon is the largest of these ages. Sessions in other databases hold back
--- only the shared catalogs here; sessions without a database (walsenders with
--- hot_standby_feedback) hold back every database. pg_stat_activity shows backend_xid and
--- backend_xmin of every role's sessions without extra privileges.
+-- slot's xmin), as its age in transactions and as the xid itself (as text: the resolver times
+-- how long the same xid stays the oldest, which needs no privilege); for prepared transactions,
+-- and client sessions' open transactions (from xact_start: a snapshot is never older than its
+-- transaction), also in seconds (autovacuum's own snapshots hold back no VACUUM and are not
+-- timed; another role's xact_start is NULL without pg_read_all_stats). The database's xmin
+-- horizon is the largest of these ages. Sessions in other databases hold back only the shared
+-- catalogs here; sessions without a database (walsenders with hot_standby_feedback) hold back
+-- every database. pg_stat_activity shows backend_xid and backend_xmin of every role's sessions
+-- without extra privileges.
 WITH holders AS (
     SELECT CASE WHEN starts_with(gid, %(prefix)s) THEN 'outbox_prepared' ELSE 'other_prepared' END
                AS holder,
            age(transaction) AS xid_age,
-           extract(epoch FROM now() - prepared)::float8 AS age_seconds
+           extract(epoch FROM now() - prepared)::float8 AS age_seconds,
+           transaction AS xid
     FROM pg_prepared_xacts
     WHERE database = current_database()
     UNION ALL
     SELECT 'session', greatest(age(backend_xid), age(backend_xmin)),
            CASE WHEN backend_type = 'client backend'
-                THEN extract(epoch FROM now() - xact_start)::float8 END
+                THEN extract(epoch FROM now() - xact_start)::float8 END,
+           CASE WHEN backend_xmin IS NULL OR age(backend_xid) > age(backend_xmin)
+                THEN backend_xid ELSE backend_xmin END
     FROM pg_stat_activity
     WHERE (datname = current_database() OR datid IS NULL) AND pid <> pg_backend_pid()
       AND coalesce(backend_xid, backend_xmin) IS NOT NULL
     UNION ALL
-    SELECT 'replication_slot', age(xmin), NULL
+    SELECT 'replication_slot', age(xmin), NULL, xmin
     FROM pg_replication_slots
     WHERE xmin IS NOT NULL AND (database IS NULL OR database = current_database())
 )
-SELECT holder, max(xid_age)::bigint AS xid_age, max(age_seconds) AS age_seconds
+SELECT holder, max(xid_age)::bigint AS xid_age, max(age_seconds) AS age_seconds,
+       (array_agg(xid::text ORDER BY xid_age DESC))[1] AS oldest_xid
 FROM holders
 GROUP BY holder;
 

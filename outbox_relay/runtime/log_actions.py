@@ -245,16 +245,27 @@ ACTIONS: tuple[LogAction, ...] = (
         "`outbox-relay migrate` done",
     ),
     LogAction(
-        ("compacted",), "INFO", "compact",
+        ("compacted",), "INFO", "compact, resolver",
         "`table`, `heap_bytes_before`, `heap_bytes_after`, `index_bytes_before`, "
         "`index_bytes_after`, `blocked_seconds`, `attempts`",
-        "`outbox-relay compact` rewrote the table (sizes after its plain VACUUM, and after)",
+        "`outbox-relay compact`, or the resolver once a snapshot held over "
+        "`OUTBOX_RESOLVER_COMPACT_AFTER_HOLD` ended, rewrote the table (sizes after its plain "
+        "VACUUM, and after)",
     ),
     LogAction(
-        ("compact_failed",), "ERROR", "compact",
+        ("compact_failed",), "ERROR", "compact, resolver",
         "`table`",
-        "`outbox-relay compact` rewrote nothing: the table stayed locked through every "
-        "attempt, the rewrite passed OUTBOX_COMPACT_MAX_BLOCK and was rolled back, or "
-        "PostgreSQL refused a statement (exit 1)",
+        "the rewrite did not happen: the table stayed locked through every attempt, the "
+        "rewrite passed OUTBOX_COMPACT_MAX_BLOCK and was rolled back, PostgreSQL refused a "
+        "statement (`outbox-relay compact` exits 1), or, for the resolver (a WARNING, tried "
+        "again a minute later, 10 times), VACUUM left over 10,000 dead rows (something still "
+        "holds the horizon)",
+    ),
+    LogAction(
+        ("compact_not_allowed",), "WARNING", "resolver",
+        "`table`, `heap_bytes`, `index_bytes`",
+        "once per held snapshot: the outbox is over `OUTBOX_RESOLVER_COMPACT_ABOVE` after it, "
+        "and the resolver's role may not rewrite it (not its owner; on PostgreSQL 17, no "
+        "`MAINTAIN`): run `outbox-relay compact` as the owner",
     ),
 )

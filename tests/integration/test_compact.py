@@ -1,4 +1,4 @@
-"""`outbox-relay compact` against real PostgreSQL (outbox_relay/relay/compact.py; issue 36): it
+"""`outbox-relay compact` against real PostgreSQL (outbox_relay/compact.py; issue 36): it
 gives back the heap and index pages VACUUM keeps, loses and changes no row, and keeps writers
 waiting no longer than its bounds, also when it cannot run (a prepared batch holds the table,
 a rewrite takes too long): then it changes nothing."""
@@ -15,8 +15,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_relay import compact
 from outbox_relay.postgres import connect_pinned
-from outbox_relay.relay import compact
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.worker import Resolver
 from outbox_relay.tables import Tables
 from tests.conftest import Env, finish_env, make_env
 from tests.integration.test_roles import run_cli
@@ -177,3 +179,60 @@ def test_compact_of_a_missing_table_exits_3_with_one_line(env: Env) -> None:
     assert done.returncode == 3
     assert "does not exist: run outbox-relay migrate first" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_resolver_compacts_once_a_held_snapshot_has_ended(own_db_env: Env) -> None:
+    """The sidecar's own compaction (resolver/compaction.py): nothing while the snapshot is
+    held, the pages back at the first stats pass after it ended, every row kept, once."""
+    env = own_db_env
+    metrics = ResolverMetrics()
+    resolver = Resolver(env.resolver_settings(compact_after_hold=0.5, compact_above=1,
+                                              hard_limit=3600),
+                        metrics=metrics, background_stats=False)
+
+    def scan() -> None:
+        resolver.stats.next_at = 0.0  # a stats pass at every scan
+        resolver.resolve_once()
+
+    def compactions(outcome: str) -> float | None:
+        return metrics.registry.get_sample_value("outbox_resolver_compactions_total",
+                                                 {"outcome": outcome})
+
+    try:
+        with env.connect() as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT 1")  # the snapshot is taken: VACUUM keeps what is deleted
+            fill(env, 200_000, keep=300)
+            time.sleep(0.6)
+            scan()
+            scan()
+            assert compactions("compacted") == 0  # not while it is held
+            before = sizes(env)
+            assert before.heap_bytes > 40 * 1024**2 and before.dead_rows > 100_000
+            holder.execute("COMMIT")
+        kept = rows(env)
+        writer = Writer(env)
+        writer.start()
+        try:
+            time.sleep(0.2)
+            scan()
+            time.sleep(0.2)
+        finally:
+            writer.stop.set()
+            writer.join()
+        assert compactions("compacted") == 1
+        after = sizes(env)
+        assert after.heap_bytes < before.heap_bytes / 20
+        assert after.index_bytes < before.index_bytes / 10
+        now = rows(env)
+        assert now[:len(kept)] == kept and len(now) == len(kept) + writer.count
+        assert writer.slowest < 0.1 + 2 + 1  # compact's default bounds, and room
+        assert metrics.registry.get_sample_value(
+            "outbox_table_bytes", {"part": "heap"}) >= before.heap_bytes  # read before it
+        scan()
+        scan()
+        assert compactions("compacted") == 1  # once per hold
+        assert metrics.registry.get_sample_value(
+            "outbox_table_bytes", {"part": "heap"}) < before.heap_bytes / 20
+    finally:
+        resolver.close()

@@ -7,11 +7,13 @@ PREPARED only to the preparing role or a superuser), so it says so and leaves th
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -21,6 +23,8 @@ from psycopg import sql
 
 from devenv import checker, launch
 from devenv.servers import PostgresServer, RabbitServer
+from outbox_relay.resolver.metrics import ResolverMetrics
+from outbox_relay.resolver.worker import Resolver
 from outbox_relay.schema import SCHEMA_VERSION
 from outbox_relay.tables import Tables
 from tests.conftest import ROOT, Env, External, finish_env, make_env, server_url
@@ -365,3 +369,40 @@ def test_roles_sql_takes_back_what_it_does_not_grant(renv: Env, roles: dict[str,
             admin.execute("DROP FUNCTION IF EXISTS public.format(text, text, text)")
             admin.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(f"{prefix}_hits")))
             admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+
+
+def test_a_resolver_that_may_not_rewrite_the_outbox_says_so_once_after_a_hold(
+        renv: Env, roles: dict[str, str], amqp_users: dict[str, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The resolver's compaction after a held snapshot (resolver/compaction.py) as the relays'
+    role, which does not own the table: counted and logged once, nothing tried. The hold is
+    another role's, whose xact_start this role cannot see: timed by the scans."""
+    metrics = ResolverMetrics()
+    resolver = Resolver(renv.resolver_settings(
+        database_url=roles["relay"], amqp_url=amqp_users["resolver"], compact_after_hold=0.3,
+        compact_above=0.001, hard_limit=3600), metrics=metrics, background_stats=False)
+
+    def scan() -> None:
+        resolver.stats.next_at = 0.0
+        resolver.resolve_once()
+
+    try:
+        with renv.connect() as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT 1")
+            scan()  # the scans time it: another role's xact_start is hidden from this one
+            time.sleep(0.4)
+            scan()
+            # OutboxVacuumHeldBySession's gauge sees it too (it read 0 for another role's session).
+            age = metrics.registry.get_sample_value("outbox_session_transaction_age_seconds")
+            assert age is not None and age >= 0.4
+            holder.execute("COMMIT")
+        with caplog.at_level(logging.WARNING, logger="resolver"):
+            scan()
+            scan()
+    finally:
+        resolver.close()
+    assert metrics.registry.get_sample_value(
+        "outbox_resolver_compactions_total", {"outcome": "not_allowed"}) == 1
+    said = [r for r in caplog.records if getattr(r, "action", "") == "compact_not_allowed"]
+    assert len(said) == 1 and "may not rewrite" in said[0].getMessage()

@@ -36,6 +36,7 @@ from typing import Any
 import psycopg
 
 from outbox_relay import ledger
+from outbox_relay.compact import Sizes
 from outbox_relay.errors import DatabaseError, TransientError
 from outbox_relay.model import (
     Failure,
@@ -50,6 +51,7 @@ from outbox_relay.model import (
 )
 from outbox_relay.postgres import is_connection_error, translate
 from outbox_relay.relay.marks import ClaimMarks
+from outbox_relay.resolver.compaction import Compaction
 
 CREATED_AT = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
@@ -690,6 +692,8 @@ class FakePreparedStore:
         self.is_connected = False
         self.unreachable: TransientError | None = None  # connect raises it while set
         self.blocked = 0  # what blocked_keys answers
+        self.sizes = Sizes(0, 0, 0, 0)  # what sizes answers
+        self.compactions_due: list[bool] = []  # whether due, at each compact_if_due
 
     @property
     def connected(self) -> bool:
@@ -794,6 +798,16 @@ class FakeResolverStatsSession:
 
     def blocked_keys(self) -> int:
         return self.store.blocked_keys()
+
+    def sizes(self) -> Sizes:
+        return self.store.sizes
+
+    def compact_if_due(self, compaction: Compaction) -> None:
+        """Records whether it was due, and marks it done (the rewrite is PostgreSQL's)."""
+        due = compaction.after.due()
+        self.store.compactions_due.append(due)
+        if due:
+            compaction.after.done()
 
 
 @dataclass

@@ -20,11 +20,14 @@ and every relay's claim waits while it holds it. So this command bounds that wai
   refused this way, after at most ``lock_timeout + max_block`` of writers waiting.
 
 Only the table's owner may VACUUM FULL it (or, on PostgreSQL 17 and later, a role granted
-MAINTAIN on it): run it with the role that ran ``migrate``, not the relays'.
+MAINTAIN on it): run it with the role that ran ``migrate``, not the relays'. The resolver runs
+the same compaction by itself once a snapshot held over a minute has ended
+(outbox_relay/resolver/compaction.py), when its role may.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,17 +45,18 @@ RETRY_PAUSE = 1.0
 
 LOCK_TIMEOUT = Option(
     "lock_timeout", "OUTBOX_COMPACT_LOCK_TIMEOUT", positive_float, "0.1",
-    "compact: seconds to wait for the table's exclusive lock in one attempt (writers queue "
-    "behind the request meanwhile)",
+    "compact (and the resolver's compaction): seconds to wait for the table's exclusive lock "
+    "in one attempt (writers queue behind the request meanwhile)",
 )
 MAX_BLOCK = Option(
     "max_block", "OUTBOX_COMPACT_MAX_BLOCK", positive_float, "2",
-    "compact: seconds the rewrite may hold the table once locked (producers and relays wait); "
-    "past them it is rolled back, the table as it was",
+    "compact (and the resolver's compaction): seconds the rewrite may hold the table once "
+    "locked (producers and relays wait); past them it is rolled back, the table as it was",
 )
 ATTEMPTS = Option(
     "attempts", "OUTBOX_COMPACT_ATTEMPTS", bounded_int(1, 10_000, "a positive integer"), "30",
-    "compact: attempts at the lock, one second apart, before giving up",
+    "compact (and the resolver's compaction, each time it tries): attempts at the lock, one "
+    "second apart, before giving up",
 )
 
 
@@ -102,11 +106,18 @@ def check_owner(conn: psycopg.Connection[Any], tables: Tables) -> None:
 
 
 def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: float,
-            max_block: float, attempts: int) -> Compacted:
-    """VACUUM, then VACUUM FULL within the bounds above; ``conn`` is an autocommit session."""
+            max_block: float, attempts: int, max_dead_rows: int | None = None) -> Compacted:
+    """VACUUM, then VACUUM FULL within the bounds above; ``conn`` is an autocommit session.
+    ``max_dead_rows``: give up, locking nothing, when the VACUUM left more dead rows than that
+    (something still holds the horizon back: the rewrite would copy them all)."""
     check_owner(conn, tables)
     conn.execute(sql.SQL("VACUUM {}").format(tables.outbox))
     before = Sizes.read(conn, tables)
+    if max_dead_rows is not None and before.dead_rows > max_dead_rows:
+        raise CompactFailed(
+            f"VACUUM left {before.dead_rows} dead rows in {tables.name}: a snapshot, a prepared "
+            "transaction or a replication slot still holds them (outbox_xmin_horizon_age_"
+            "transactions); nothing rewritten, try again once it is gone")
     # Whole milliseconds, 1 at least: 0 would turn the timeout off.
     conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)",
                  (f"{max(1, round(lock_timeout * 1000))}ms",))
@@ -140,3 +151,21 @@ def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: floa
             conn.execute("RESET lock_timeout")
             conn.execute("RESET statement_timeout")
     raise AssertionError("unreachable: attempts >= 1")
+
+
+def mb(size: int) -> str:
+    return f"{size / 1024**2:.1f} MB"
+
+
+def log_compacted(log: logging.Logger, tables: Tables, done: Compacted) -> None:
+    """The ``compacted`` line, the command's and the resolver's alike."""
+    log.info("compacted %s: table %s -> %s, indexes %s -> %s; writers waited at most %.2f s",
+             tables.name, mb(done.before.heap_bytes), mb(done.after.heap_bytes),
+             mb(done.before.index_bytes), mb(done.after.index_bytes), done.blocked_seconds,
+             extra={"action": "compacted", "table": tables.name,
+                    "heap_bytes_before": done.before.heap_bytes,
+                    "heap_bytes_after": done.after.heap_bytes,
+                    "index_bytes_before": done.before.index_bytes,
+                    "index_bytes_after": done.after.index_bytes,
+                    "blocked_seconds": round(done.blocked_seconds, 3),
+                    "attempts": done.attempts})

@@ -153,6 +153,20 @@ PANELS = [
           f"OutboxVacuumHeldBySession's level ({SESSION_ALERT} s).",
           [(f"max by ({BY}) ({m('outbox_session_transaction_age_seconds')})",
             _legend("namespace", "job"))], unit="s", threshold=SESSION_ALERT),
+    Panel("Outbox size on disk",
+          "The outbox's heap and indexes (the resolver reads them every OUTBOX_STATS_INTERVAL). "
+          "They grow while a snapshot holds VACUUM back and keep their size after it; the "
+          "resolver compacts them once a hold over OUTBOX_RESOLVER_COMPACT_AFTER_HOLD has "
+          "ended (next panel), or `outbox-relay compact` does.",
+          [(f"max by ({BY}, part) ({m('outbox_table_bytes')})",
+            _legend("namespace", "job", "part"))], unit="bytes"),
+    Panel("Resolver compactions (1 h)",
+          "What came of each hold that ended: compacted; failed (tried again a minute later); "
+          "not_allowed (the resolver's role may not rewrite the table: run outbox-relay compact "
+          "as its owner); not_needed (below OUTBOX_RESOLVER_COMPACT_ABOVE).",
+          [(f"sum by ({BY}, outcome) "
+            f"(increase({m('outbox_resolver_compactions_total')}[1h]))",
+            _legend("namespace", "job", "outcome"))]),
     Panel("What holds back VACUUM (xid age)",
           "Age in transactions of the oldest transaction id each kind of holder keeps alive in "
           "this database: our prepared batches, other prepared transactions, sessions (open "

@@ -136,6 +136,12 @@ BEGIN
                    'SELECT (outbox_id, ordering_key) ON %s TO %I', dead_letter, relay_role);
     -- The key is the relays' secret: nobody else reads it (a superuser always can).
     EXECUTE format('GRANT SELECT (singleton, key) ON %s TO %I', ledger_key, relay_role);
+    -- PostgreSQL 17 and later: MAINTAIN on the outbox, so that the resolver compacts it once a
+    -- held snapshot has ended (VACUUM FULL: resolver/compaction.py). Before 17 only the owner
+    -- may, and `outbox-relay compact` is run as the migrate role instead.
+    IF pg_catalog.current_setting('server_version_num')::integer >= 170000 THEN
+        EXECUTE format('GRANT MAINTAIN ON %s TO %I', outbox, relay_role);
+    END IF;
 
     -- operator: list dead letters (SELECT), requeue them (DELETE; requeue's SELECT ... FOR
     -- UPDATE takes UPDATE on a column; INSERT into the outbox, its own id kept for a keyed row,

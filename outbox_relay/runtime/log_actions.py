@@ -258,14 +258,14 @@ ACTIONS: tuple[LogAction, ...] = (
         "the rewrite did not happen: the table stayed locked through every attempt, the "
         "rewrite passed OUTBOX_COMPACT_MAX_BLOCK and was rolled back, PostgreSQL refused a "
         "statement (`outbox-relay compact` exits 1), or, for the resolver (a WARNING, tried "
-        "again a minute later, 10 times), VACUUM left over 10,000 dead rows (something still "
+        "again a minute later, 10 times), VACUUM left over 100,000 dead rows (something still "
         "holds the horizon)",
     ),
     LogAction(
         ("compact_not_allowed",), "WARNING", "resolver",
         "`table`, `heap_bytes`, `index_bytes`",
         "once per held snapshot: the outbox is over `OUTBOX_RESOLVER_COMPACT_ABOVE` after it, "
-        "and the resolver's role may not rewrite it (not its owner; on PostgreSQL 17, no "
-        "`MAINTAIN`): run `outbox-relay compact` as the owner",
+        "and the resolver's role may not rewrite it (not its owner; on PostgreSQL 17 and "
+        "later, no `MAINTAIN`): run `outbox-relay compact` as the owner",
     ),
 )

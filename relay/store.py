@@ -140,6 +140,14 @@ def claim_lock_key(table: str) -> int:
     return zlib.crc32(f"outbox-relay claim {table}".encode())
 
 
+# How long a claim made ahead (while the batch in flight waits for its confirms) waits for a
+# table lock. None is ever taken against the claims but by a request for the whole table (a
+# compaction's VACUUM FULL, an ALTER TABLE): queued behind it, the claim would keep the relay
+# from finishing its batch, which holds the table, so neither would move until the request
+# timed out (outbox-relay compact's every attempt at 2,000 events/s). It gives up instead.
+AHEAD_LOCK_WAIT = "SET LOCAL lock_timeout = '10ms'"
+
+
 class OutboxStore:
     """The relay's view of the outbox on one session-mode connection."""
 
@@ -275,6 +283,7 @@ class OutboxStore:
         floor = self.marks.floor
         conn.execute("BEGIN")
         lock, unlock, key = self._claim_lock
+        ahead = not one_row_at_least
         try:
             # One claim of this table at a time (queries.sql, claim_lock): lock, claim and
             # unlock are sent together, so the server never holds the lock waiting on us. The
@@ -283,6 +292,8 @@ class OutboxStore:
             # (CLAIM_SESSION_SETUP, queries.sql).
             with conn.pipeline(), conn.cursor(binary=True) as cur:
                 conn.execute(lock, key, prepare=False)
+                if ahead:
+                    conn.execute(AHEAD_LOCK_WAIT, prepare=False)
                 before = conn.execute(self._claim_writers, prepare=False)
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
@@ -290,6 +301,8 @@ class OutboxStore:
                     "max_row_bytes": max_message_bytes + ROW_HEADROOM,
                     "one_row_at_least": one_row_at_least, "after": after, "floor": floor},
                     prepare=False)
+                if ahead:
+                    conn.execute("SET LOCAL lock_timeout TO DEFAULT", prepare=False)
                 after_claim = conn.execute(self._claim_writers, prepare=False)
                 frontier = conn.execute(self._claim_frontier, {
                     "after": after, "floor": floor, "full": full}, prepare=False)
@@ -297,6 +310,17 @@ class OutboxStore:
                 fetched_rows = cur.fetchall()
                 writers_row, writers_after_row = before.fetchone(), after_claim.fetchone()
                 frontier_row = frontier.fetchone()
+        except psycopg.errors.LockNotAvailable:
+            if not ahead:
+                conn.close()  # as below
+                raise
+            # The claim ahead waited AHEAD_LOCK_WAIT for the table: someone asked for it whole
+            # (a compaction's VACUUM FULL, DDL). Nothing claimed: this batch finishes and frees
+            # the table instead of waiting behind that request while holding it.
+            conn.execute("ROLLBACK")
+            conn.execute(unlock, key, prepare=False)
+            self._claim_holds_rows = False
+            return []
         except BaseException:
             conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along
             raise

@@ -317,8 +317,12 @@ class OutboxStore:
             # The claim ahead waited AHEAD_LOCK_WAIT for the table: someone asked for it whole
             # (a compaction's VACUUM FULL, DDL). Nothing claimed: this batch finishes and frees
             # the table instead of waiting behind that request while holding it.
-            conn.execute("ROLLBACK")
-            conn.execute(unlock, key, prepare=False)
+            try:
+                conn.execute("ROLLBACK")
+                conn.execute(unlock, key, prepare=False)
+            except BaseException:
+                conn.close()  # the claim lock goes with the session
+                raise
             self._claim_holds_rows = False
             return []
         except BaseException:

@@ -17,14 +17,7 @@ from outbox_relay.resolver.metrics import ResolverMetrics
 from outbox_relay.resolver.settings import ResolverSettings
 from outbox_relay.resolver.worker import Resolver
 from tests.unit.fakes import FakeCluster, FakeLedger, FakePreparedStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.test_claim_marks import Clock
 
 
 def test_due_once_every_long_holder_has_let_go() -> None:

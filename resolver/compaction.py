@@ -13,7 +13,7 @@ slot's xmin), or by the age PostgreSQL shows, the larger.
 Only once per hold: a table that is large without one (a backlog, a broker outage) is left
 alone. A try that fails (the table never free, the rewrite past its bound, a horizon still
 held) is tried again a minute later, ten times at most; a role that may not rewrite the table
-(not its owner; PostgreSQL 17: no MAINTAIN) is said once per hold.
+(not its owner; PostgreSQL 17 and later: no MAINTAIN) is said once per hold.
 """
 
 from __future__ import annotations
@@ -134,10 +134,11 @@ class Compaction:
         if self.enabled:
             self.after.observe(max(held.values(), default=0.0))
 
-    def run_if_due(self, conn: psycopg.Connection[Any], tables: Tables) -> None:
+    def run_if_due(self, conn: psycopg.Connection[Any], tables: Tables,
+                   sizes: compact.Sizes) -> None:
+        """``sizes``: the table's, as this stats pass read them."""
         if not (self.enabled and self.after.due()):
             return
-        sizes = compact.Sizes.read(conn, tables)
         if sizes.heap_bytes + sizes.index_bytes < self._above_bytes:
             self._count("not_needed")
             self.after.done()

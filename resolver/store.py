@@ -66,8 +66,8 @@ class StatsSession(postgres.StatsSession):
         return Sizes.read(self.session, self.tables)
 
     @postgres.translated
-    def compact_if_due(self, compaction: Compaction) -> None:
-        compaction.run_if_due(self.session, self.tables)
+    def compact_if_due(self, compaction: Compaction, sizes: Sizes) -> None:
+        compaction.run_if_due(self.session, self.tables, sizes)
 
 
 class PostgresPreparedStore:

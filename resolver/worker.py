@@ -68,7 +68,7 @@ class OutboxStatsSource(StatsSource, Protocol):
 
     def blocked_keys(self) -> int: ...
     def sizes(self) -> Sizes: ...
-    def compact_if_due(self, compaction: Compaction) -> None:
+    def compact_if_due(self, compaction: Compaction, sizes: Sizes) -> None:
         """Run ``compaction`` on this session when it is due (resolver/compaction.py)."""
         ...
 
@@ -289,7 +289,7 @@ class Resolver(Loop):
         sizes = source.sizes()
         self.metrics.table_bytes.labels("heap").set(sizes.heap_bytes)
         self.metrics.table_bytes.labels("indexes").set(sizes.index_bytes)
-        source.compact_if_due(self.compaction)
+        source.compact_if_due(self.compaction, sizes)
 
     def _candidates(self, prepared: list[PreparedXact], locked: list[int]) -> list[PreparedXact]:
         """Prepared batches whose relay is gone, or that passed the hard limit.

@@ -802,7 +802,7 @@ class FakeResolverStatsSession:
     def sizes(self) -> Sizes:
         return self.store.sizes
 
-    def compact_if_due(self, compaction: Compaction) -> None:
+    def compact_if_due(self, compaction: Compaction, sizes: Sizes) -> None:
         """Records whether it was due, and marks it done (the rewrite is PostgreSQL's)."""
         due = compaction.after.due()
         self.store.compactions_due.append(due)

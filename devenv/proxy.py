@@ -223,6 +223,7 @@ class Proxy:
             return
         self.accepted += 1
         client.setblocking(False)
+        _no_delay(client)
         pair = _Pair(client)
         with self._lock:
             self._pairs.append(pair)
@@ -239,6 +240,7 @@ class Proxy:
             self._drop(pair)
             return False
         upstream.setblocking(False)
+        _no_delay(upstream)
         pair.upstream = upstream
         return True
 
@@ -285,3 +287,10 @@ class Proxy:
             destination.setblocking(False)
         except OSError:
             self._drop(pair)
+
+
+def _no_delay(sock: socket.socket) -> None:
+    """Forward each chunk at once, as the peers' own sockets do (psycopg's libpq and pika set
+    TCP_NODELAY): with Nagle's algorithm on the proxy's sockets, a small write waits for the
+    ACK of the last one, which the peer delays by up to 40 ms, several times per batch."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -64,8 +64,13 @@ def progress_below(env: Env, count: int) -> None:
 def finish(env: Env, relay: subprocess.Popen[bytes], produced: list[str], *,
            max_duplicates: int, drain_timeout: float = 30) -> checker.Report:
     """Wait for the outbox to empty, stop the relay, resolve, drain, check."""
-    wait_until(lambda: outbox_count(env) == 0 or relay.poll() is not None, drain_timeout,
-               "the outbox to empty")
+    try:
+        wait_until(lambda: outbox_count(env) == 0 or relay.poll() is not None, drain_timeout,
+                   "the outbox to empty")
+    except AssertionError as exc:
+        tail = "\n".join(log_of(relay).splitlines()[-40:])
+        raise AssertionError(f"{exc}; {outbox_count(env)} rows left; the relay's log ends:\n"
+                             f"{tail}") from None
     assert relay.poll() is None, log_of(relay)  # a network fault never ends the relay
     # The relay finishes a batch it decided but could not finish; give it a moment.
     wait_until(lambda: not in_doubt(env), 5, "the relay's own in-doubt batch to be finished")

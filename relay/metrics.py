@@ -51,6 +51,10 @@ class RelayMetrics:
         self.events_published = Counter(
             "outbox_relay_events_published_total",
             "Events confirmed by the broker in committed batches", registry=r)
+        self.claims_ahead_given_up = Counter(
+            "outbox_relay_claims_ahead_given_up_total",
+            "Claims made ahead (while a batch waits for its confirms) that gave up after 10 ms "
+            "waiting behind a request for the whole table (VACUUM FULL, DDL)", registry=r)
         self.batches = Counter(
             "outbox_relay_batches_total", "Batches by outcome", ["outcome"], registry=r)
         self.batch_duration = Histogram(

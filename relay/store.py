@@ -173,6 +173,8 @@ class OutboxStore:
         # which come back below the mark if it is rolled back.
         self.marks = ClaimMarks()
         self._claim_holds_rows = False
+        # Claims made ahead that gave up their table lock wait (AHEAD_LOCK_WAIT), so far.
+        self.ahead_gave_up = 0
         self._claim_lock = (self.tables.query("claim_lock"), self.tables.query("claim_unlock"),
                             {"key": claim_lock_key(table)})
         # Rows asked for per claim while the byte budget binds: about twice what fit last time,
@@ -324,6 +326,7 @@ class OutboxStore:
                 conn.close()  # the claim lock goes with the session
                 raise
             self._claim_holds_rows = False
+            self.ahead_gave_up += 1
             return []
         except BaseException:
             conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along

@@ -80,6 +80,7 @@ class Store(Protocol):
     ledger_key: bytes  # read on connect: signs the ledger records
     database: str  # this database's name, named in every ledger record
     marks: ClaimMarks  # where the claims start (relay/marks.py)
+    ahead_gave_up: int  # claims ahead that gave up a table lock wait, so far (relay/store.py)
 
     @property
     def connected(self) -> bool: ...
@@ -420,10 +421,14 @@ class Relay(Loop):
         budget = self.settings.batch_max_bytes - self._batch_bytes
         if budget <= 0:
             return
+        gave_up = self.store.ahead_gave_up
         try:
             # Within what is left, strictly: no row beyond it, not even one (it would be a
             # second batch's worth of memory; the next batch claims it).
             rows = self._claim(budget, self._ahead_rows, one_row_at_least=False)
+            if self.store.ahead_gave_up != gave_up:
+                self._gave_up_ahead()
+                return  # rolled back by the store: this batch finishes and frees the table
             if not rows:
                 if self._batch_keyed:
                     self._ahead_rows = max(1, self.settings.batch_size // AHEAD_RESTART_SHARE)
@@ -445,6 +450,13 @@ class Relay(Loop):
             built = None
         self._ahead = Ahead(rows, built=built, frame_max=self.publisher.frame_max,
                             user_id=self.publisher.user_id)
+
+    def _gave_up_ahead(self) -> None:
+        """Someone asked for the whole table (a compaction's VACUUM FULL, DDL): the claim
+        ahead did not queue behind that request while this batch holds the table."""
+        self.metrics.claims_ahead_given_up.inc()
+        log.debug("claim ahead gave up its wait: the table's whole lock is requested",
+                  extra={"action": "claim_ahead_gave_up"})
 
     def _claim(self, max_bytes: int, limit: int | None = None, *,
                one_row_at_least: bool = True) -> list[OutboxRow]:

@@ -100,6 +100,13 @@ ACTIONS: tuple[LogAction, ...] = (
         "COMMIT PREPARED done (routine: DEBUG; the metrics count them)",
     ),
     LogAction(
+        ("claim_ahead_gave_up",), "DEBUG", "relay",
+        "",
+        "the claim made ahead waited 10 ms behind a request for the whole table (a compaction's "
+        "`VACUUM FULL`, DDL) and claimed nothing, so that the batch in flight can finish; "
+        "counted by `outbox_relay_claims_ahead_given_up_total`",
+    ),
+    LogAction(
         ("batch_rolled_back",), "WARNING", "relay",
         "`gid`, `batch_size`, `reason`",
         "ROLLBACK PREPARED done: why (`RabbitMQ connection lost…`, `no confirm within 30 s`, "

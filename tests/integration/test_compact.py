@@ -17,6 +17,7 @@ from psycopg import sql
 
 from outbox_relay import compact
 from outbox_relay.postgres import connect_pinned
+from outbox_relay.relay.store import OutboxStore
 from outbox_relay.resolver.metrics import ResolverMetrics
 from outbox_relay.resolver.worker import Resolver
 from outbox_relay.tables import Tables
@@ -268,3 +269,45 @@ def test_compaction_gets_the_table_from_a_busy_relay(
         assert stop(relay) == 0, log_of(relay)
     assert sum(writer.count for writer in writers) > 1000
     assert max(writer.slowest for writer in writers) < 0.1 + 2 + 1
+
+
+def test_a_claim_ahead_gives_up_behind_a_request_for_the_whole_table(env: Env) -> None:
+    """The store's side of the above: while a batch's claim holds the table and a VACUUM FULL
+    (here LOCK TABLE) waits for it, a claim made ahead returns nothing within AHEAD_LOCK_WAIT,
+    its transaction and the claim lock released, and counts it; a plain claim would queue."""
+    fill(env, 20, 20)
+    outbox = Tables(env.table).outbox
+    batch = OutboxStore(env.db_url, env.table)
+    ahead = OutboxStore(env.db_url, env.table)
+    batch.connect(lock_class=1, instance=0xA1)
+    ahead.connect(lock_class=1, instance=0xA2)
+    request_done = threading.Event()
+
+    def request_whole_table() -> None:
+        with psycopg.connect(env.db_url) as conn:
+            conn.execute("SET lock_timeout = '10s'")
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(outbox))
+            request_done.set()
+
+    requester = threading.Thread(target=request_whole_table)
+    try:
+        assert len(batch.claim(5, 1 << 20)) == 5  # the batch in flight: it holds the table
+        requester.start()
+        with env.connect() as conn:
+            wait_until(lambda: conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE relation = %s::regclass AND NOT granted",
+                (outbox.as_string(conn),)).fetchone()[0] == 1, 10, "the request to wait")
+        started = time.monotonic()
+        assert ahead.claim(5, 1 << 20, one_row_at_least=False) == []
+        assert time.monotonic() - started < 2
+        assert ahead.ahead_gave_up == 1 and not request_done.is_set()
+        assert ahead.claim_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        batch.rollback()  # the batch ends: the request gets the table, then lets it go
+        requester.join(10)
+        assert request_done.is_set()
+        assert len(ahead.claim(5, 1 << 20, one_row_at_least=False)) == 5  # the claim lock is free
+        ahead.rollback()
+    finally:
+        requester.join(15)
+        batch.close()
+        ahead.close()

@@ -208,6 +208,9 @@ class FakeStore(_Scripted):
         self._xid = 1000
         self.marks = ClaimMarks()  # the real store's claims move it; the stats pass lowers it
         self.stats_source = FakeStatsSession(self)  # what stats_session() hands out
+        # Someone asked for the whole table: a claim ahead gives up (AHEAD_LOCK_WAIT).
+        self.whole_table_requested = False
+        self.ahead_gave_up = 0
 
     # -- test helpers ------------------------------------------------------------------------
 
@@ -268,6 +271,10 @@ class FakeStore(_Scripted):
                             one_row_at_least=one_row_at_least)
         if self.open is not None:
             raise ProtocolViolation("claim (BEGIN) inside an open transaction")
+        if self.whole_table_requested and not one_row_at_least:
+            self.ahead_gave_up += 1  # rolled back, nothing claimed, as the real store
+            self._raise(fault)
+            return []
         due = [r for r in self.rows.values() if r.available_at <= self.now]
         retry = sorted((r for r in due if r.attempts > 0 and self._in_order(r, [])),
                        key=lambda r: (r.available_at, r.id))

@@ -67,6 +67,25 @@ def test_a_failed_claim_ahead_is_raised_once_this_batch_is_committed(
     assert sorted(rig.store.rows) == [3, 4]
 
 
+def test_a_claim_ahead_behind_a_whole_table_request_gives_up_and_is_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A compaction's VACUUM FULL queued for the table: the claim ahead gives up its lock
+    # wait (relay/store.py, AHEAD_LOCK_WAIT); this batch finishes, the next claims normally.
+    rig = make_rig(monkeypatch, batch_size=2)
+    rig.store.add_many(4)
+    rig.store.whole_table_requested = True
+
+    assert rig.relay.run_batch() == 2
+
+    assert rig.batches("committed") == 1 and rig.relay.claimed_ahead == []
+    assert rig.store.open is None and sorted(rig.store.rows) == [3, 4]
+    assert rig.metric("outbox_relay_claims_ahead_given_up_total") == 1
+    rig.store.whole_table_requested = False
+    assert rig.relay.run_batch() == 2
+    assert rig.publisher.published_ids() == [1, 2, 3, 4]
+    assert rig.metric("outbox_relay_claims_ahead_given_up_total") == 1
+
+
 def test_a_failed_batch_keeps_the_claim_made_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     rig = make_rig(monkeypatch, batch_size=2)
     ids = rig.store.add_many(4)

@@ -39,6 +39,14 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   walks from that row, once every interval (docs/performance.md).
 
 A new session (connect) starts both at 0: its first claim looks from the start.
+
+Where the marks may move costs three statements of each claim (the writers before and after its
+snapshot, its frontier): at a low load, with a few rows a claim, as much as the claim itself
+(benchmarks/NOTEBOOK.md). So only a claim after ``MARK_READ_ROWS`` rows were claimed without
+them, every look from the floor, and the first claim after a rewind read them; a claim between
+moves nothing (never a loss: the marks only move less far) and walks, besides its own rows, at
+most the ``MARK_READ_ROWS`` claimed since the last read. While the mark is at the floor with a
+candidate waiting for its writers, every claim reads (the walk from the floor is the longest).
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 FULL_LOOK_INTERVAL = 1.0  # seconds between looks from the floor
+# Rows claimed without reading where the marks may move before a claim reads it again (the
+# module's docstring); 0: every claim reads it.
+MARK_READ_ROWS = 100
 # Candidates kept waiting for their writers. A writer that stays (a producer's transaction left
 # open) holds all of them; past this many, new ones are dropped (the marks only move less far
 # until it ends: never a loss).
@@ -66,9 +77,11 @@ class _Candidate:
 class ClaimMarks:
     """The mark and the floor of one claim session (see the module's docstring)."""
 
-    def __init__(self, *, interval: float = FULL_LOOK_INTERVAL,
+    def __init__(self, *, interval: float = FULL_LOOK_INTERVAL, read_rows: int = MARK_READ_ROWS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval
+        self._read_rows = read_rows
+        self._unread = read_rows  # rows claimed since the last read: the first claim reads
         self._clock = clock
         self.mark = 0
         self.floor = 0
@@ -84,11 +97,13 @@ class ClaimMarks:
         self.mark = self.floor = 0
         self._pending.clear()
         self._next_full = self._clock()
+        self._unread = self._read_rows
 
     def rewind(self) -> None:
         """Rows of ours came back (rolled back, abandoned): the next claim looks from the floor."""
         self.mark = self.floor
         self._pending.clear()
+        self._unread = self._read_rows  # the next claim reads: the mark moves up again
 
     def start(self) -> tuple[int, bool]:
         """(after, full) for the claim about to run: it takes rows with ids above ``after``;
@@ -104,6 +119,18 @@ class ClaimMarks:
             self._next_full = now + self._interval
             self.full_looks += 1
         return self.mark, full
+
+    def reads(self, full: bool) -> bool:
+        """Whether the claim about to run (``full``: start()'s) reads where the marks may move
+        (the module's docstring). If not, it must call ``claimed_unread`` with its rows."""
+        if full or self._unread >= self._read_rows:
+            self._unread = 0
+            return True
+        return False
+
+    def claimed_unread(self, rows: int) -> None:
+        """A claim that did not read took ``rows`` rows: the next claims walk them too."""
+        self._unread += rows
 
     def lower_floor(self, below: int) -> None:
         """Thread-safe: the next claim looks from ``below`` at most (floor and mark lowered to
@@ -140,6 +167,10 @@ class ClaimMarks:
                 self._pending.append(candidate)
         else:
             self._apply(candidate)
+        if self._pending and self.mark <= self.floor:
+            # Left at the floor (a look from it, a rewind), waiting for writers (our batch in
+            # flight among them): the claims walk the most from there, so the next one reads.
+            self._unread = self._read_rows
 
     def _apply(self, candidate: _Candidate) -> None:
         if candidate.floor is not None:

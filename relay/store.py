@@ -282,21 +282,23 @@ class OutboxStore:
         asked = min(limit, self._fitting or limit)
         conn = self.claim_conn
         after, full = self.marks.start()
+        reads = self.marks.reads(full)
         floor = self.marks.floor
         conn.execute("BEGIN")
         lock, unlock, key = self._claim_lock
         ahead = not one_row_at_least
         try:
             # One claim of this table at a time (queries.sql, claim_lock): lock, claim and
-            # unlock are sent together, so the server never holds the lock waiting on us. The
-            # writers are read before the claim's snapshot and after it, its frontier after
-            # its deletes and the second read (relay/marks.py). prepare=False: never a cached generic plan
-            # (CLAIM_SESSION_SETUP, queries.sql).
+            # unlock are sent together, so the server never holds the lock waiting on us. A
+            # claim that reads where the marks may move (relay/marks.py) reads the writers
+            # before its snapshot and after it, its frontier after its deletes and the second
+            # read. prepare=False: never a cached generic plan (CLAIM_SESSION_SETUP,
+            # queries.sql).
             with conn.pipeline(), conn.cursor(binary=True) as cur:
                 conn.execute(lock, key, prepare=False)
                 if ahead:
                     conn.execute(AHEAD_LOCK_WAIT, prepare=False)
-                before = conn.execute(self._claim_writers, prepare=False)
+                before = conn.execute(self._claim_writers, prepare=False) if reads else None
                 cur.execute(self._claim, {
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
@@ -305,13 +307,16 @@ class OutboxStore:
                     prepare=False)
                 if ahead:
                     conn.execute("SET LOCAL lock_timeout TO DEFAULT", prepare=False)
-                after_claim = conn.execute(self._claim_writers, prepare=False)
-                frontier = conn.execute(self._claim_frontier, {
-                    "after": after, "floor": floor, "full": full}, prepare=False)
+                after_claim = frontier = None
+                if reads:
+                    after_claim = conn.execute(self._claim_writers, prepare=False)
+                    frontier = conn.execute(self._claim_frontier, {
+                        "after": after, "floor": floor, "full": full}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
-                writers_row, writers_after_row = before.fetchone(), after_claim.fetchone()
-                frontier_row = frontier.fetchone()
+                read = None
+                if before is not None and after_claim is not None and frontier is not None:
+                    read = before.fetchone(), after_claim.fetchone(), frontier.fetchone()
         except psycopg.errors.LockNotAvailable:
             if not ahead:
                 conn.close()  # as below
@@ -332,13 +337,17 @@ class OutboxStore:
             conn.close()  # a failed pipeline skipped the unlock: the session takes the lock along
             raise
         rows = sorted((OutboxRow(*row) for row in fetched_rows), key=lambda r: r.id)
-        assert writers_row is not None and writers_after_row is not None
-        assert frontier_row is not None
         self._claim_holds_rows = bool(rows)
-        self.marks.observe(after=after, full=full, writers=writers_row[0],
-                           writers_after=writers_after_row[0],
-                           claimed=[(r.id, r.attempts <= 0) for r in rows],
-                           waiting=frontier_row[0], first=frontier_row[1])
+        if read is None:
+            self.marks.claimed_unread(len(rows))
+        else:
+            writers_row, writers_after_row, frontier_row = read
+            assert writers_row is not None and writers_after_row is not None
+            assert frontier_row is not None
+            self.marks.observe(after=after, full=full, writers=writers_row[0],
+                               writers_after=writers_after_row[0],
+                               claimed=[(r.id, r.attempts <= 0) for r in rows],
+                               waiting=frontier_row[0], first=frontier_row[1])
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:

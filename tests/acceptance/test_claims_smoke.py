@@ -41,3 +41,17 @@ def test_claims_callgrind_smoke(tmp_path: Path) -> None:
     # The claim sessions' backends did the claims, and a count of them came back: a drained
     # row costs PostgreSQL tens of thousands of instructions.
     assert 10_000 < counted["claim_instructions_a_row"] < 1_000_000
+
+
+def test_claim_cost_smoke(tmp_path: Path) -> None:
+    """benchmarks/studies/claim_cost.py: small claims timed, and PostgreSQL's work by statement
+    where pg_stat_statements is installed."""
+    out = tmp_path / "claim_cost.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.studies.claim_cost", "--claims", "50", "--rows", "5",
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cost = json.loads(out.read_text())
+    assert cost["claims"] == 50 and cost["claim_commit_us_median"] > 0
+    queries = [s["query"] for s in cost["statements"]]
+    assert not queries or any("Step 1 of the protocol" in q for q in queries), queries

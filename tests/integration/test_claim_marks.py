@@ -19,7 +19,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox_relay.relay import dead_letter
-from outbox_relay.relay.marks import ClaimMarks
+from outbox_relay.relay.marks import MARK_READ_ROWS, ClaimMarks
 from outbox_relay.relay.store import OutboxStore
 from outbox_relay.tables import Tables
 from tests.conftest import Env
@@ -31,9 +31,11 @@ SHORT = 0.3  # a full-look interval for the cases only a full look finds
 _gids = itertools.count()
 
 
-def make_store(env: Env, instance: int, interval: float) -> OutboxStore:
+def make_store(env: Env, instance: int, interval: float, read_rows: int = 0) -> OutboxStore:
+    """A store whose claims (by default) every one read where the marks move: the cases below
+    follow the marks claim by claim."""
     store = OutboxStore(env.db_url, env.table)
-    store.marks = ClaimMarks(interval=interval)
+    store.marks = ClaimMarks(interval=interval, read_rows=read_rows)
     store.connect(lock_class=36, instance=instance)
     return store
 
@@ -104,6 +106,32 @@ def test_a_late_producer_commit_holds_the_mark_until_it_ends(
         assert claim(relay, env) == ["last"]
         assert claim(relay, env) == []
         assert relay.marks.mark >= late  # and it moves on once the writer ended
+
+
+def test_claims_that_do_not_read_the_marks_lose_no_late_commit(env: Env) -> None:
+    """At the default cadence most small claims skip where the marks move (relay/marks.py,
+    MARK_READ_ROWS): they move nothing, so a late commit below the rows they take is found
+    by the walk from the mark all the same, and the mark moves past it only after a read."""
+    relay = make_store(env, 0x36FF, NEVER, read_rows=MARK_READ_ROWS)
+    try:
+        with env.connect() as conn, env.connect() as producer:
+            assert claim(relay, env) == []  # the first claim reads
+            producer.execute("BEGIN")
+            late = add(producer, env, "late")
+            for n in range(MARK_READ_ROWS // 10 - 1):  # fewer rows than a read needs
+                for i in range(10):
+                    add(conn, env, f"r{n}-{i}")
+                assert len(claim(relay, env)) == 10
+            assert relay.marks.mark < late  # nothing read since the first claim
+            producer.commit()
+            assert claim(relay, env) == ["late"]
+            for n in range(3):  # past MARK_READ_ROWS: a read, and the mark moves on
+                for i in range(10):
+                    add(conn, env, f"s{n}-{i}")
+                assert len(claim(relay, env)) == 10
+            assert relay.marks.mark >= late and relay.marks.full_looks == 1
+    finally:
+        relay.close()
 
 
 def test_a_snapshot_held_elsewhere_does_not_hold_the_mark_back(

@@ -180,3 +180,55 @@ def test_lower_floor_is_safe_from_another_thread() -> None:
     for thread in threads:
         thread.join()
     assert marks.start() == (1000 - 3 - 99, True)
+
+
+def test_a_claim_reads_where_the_marks_move_once_enough_rows_went_unread() -> None:
+    marks = ClaimMarks(interval=3600.0, read_rows=10, clock=Clock())
+    after, full = marks.start()
+    assert marks.reads(full)  # the first claim of a session
+    marks.observe(after=after, full=full, writers=[], writers_after=[],
+                  claimed=[(1, True)], waiting=None, first=None)
+    reads = []
+    for _ in range(6):  # 3 rows a claim from here on
+        reads.append(marks.reads(marks.start()[1]))
+        if not reads[-1]:
+            marks.claimed_unread(3)
+    assert reads == [False, False, False, False, True, False]  # after 12 >= 10 unread
+    assert marks.mark == 1  # nothing observed since: the mark moved nowhere
+
+
+def test_a_rewind_and_a_look_from_the_floor_read_at_once() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, read_rows=100, clock=clock)
+    assert marks.reads(marks.start()[1])
+    assert not marks.reads(marks.start()[1])
+    marks.rewind()  # rows of ours came back: move the mark up again soon
+    assert marks.reads(marks.start()[1])
+    assert not marks.reads(marks.start()[1])
+    clock.now += 1.0
+    _after, full = marks.start()
+    assert full and marks.reads(full)
+    marks.restart()
+    assert marks.reads(marks.start()[1])
+
+
+def test_every_claim_reads_at_zero() -> None:
+    marks = ClaimMarks(interval=3600.0, read_rows=0, clock=Clock())
+    assert all(marks.reads(marks.start()[1]) for _ in range(5))
+
+
+def test_at_the_floor_with_a_candidate_waiting_the_next_claim_reads() -> None:
+    # A look from the floor while our batch is in flight (a writer): its candidate waits, and
+    # the mark stays at the floor until a read sees that writer gone.
+    marks = ClaimMarks(interval=3600.0, read_rows=100, clock=Clock())
+    after, full = marks.start()
+    assert marks.reads(full)
+    marks.observe(after=after, full=full, writers=["-1/700"], writers_after=["-1/700"],
+                  claimed=[(5, True)], waiting=None, first=None)
+    assert (marks.mark, marks.floor) == (0, 0)
+    after, full = marks.start()
+    assert marks.reads(full)  # at the floor, a candidate waiting: read again
+    marks.observe(after=after, full=full, writers=["-1/701"], writers_after=["-1/701"],
+                  claimed=[(6, True)], waiting=None, first=None)
+    assert (marks.mark, marks.floor) == (5, 4)  # the first candidate applied
+    assert not marks.reads(marks.start()[1])  # above the floor: back to the cadence

@@ -41,7 +41,7 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
 A new session (connect) starts both at 0: its first claim looks from the start.
 
 Where the marks may move costs three statements of each claim (the writers before and after its
-snapshot, its frontier): at a low load, with a few rows a claim, as much as the claim itself
+snapshot, its frontier): at a low load, with a few rows a claim, about a fifth of its cost
 (benchmarks/NOTEBOOK.md). So only a claim after ``MARK_READ_ROWS`` rows were claimed without
 them, every look from the floor, and the first claim after a rewind read them; a claim between
 moves nothing (never a loss: the marks only move less far) and walks, besides its own rows, at

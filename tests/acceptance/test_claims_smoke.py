@@ -13,14 +13,19 @@ from typing import Any
 from tests.conftest import ROOT
 
 
-def claims(tmp_path: Path, *args: str) -> dict[str, Any]:
-    out = tmp_path / "claims.json"
+def study(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+    """Run ``python -m benchmarks.studies.<name> *args``; the JSON it wrote."""
+    out = tmp_path / f"{name}.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.studies.claims", "--rows", "8000", "--relays", "2", *args,
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", f"benchmarks.studies.{name}", *args, "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    counted: dict[str, Any] = json.loads(out.read_text())
-    return counted
+    written: dict[str, Any] = json.loads(out.read_text())
+    return written
+
+
+def claims(tmp_path: Path, *args: str) -> dict[str, Any]:
+    return study(tmp_path, "claims", "--rows", "8000", "--relays", "2", *args)
 
 
 def test_claims_smoke(tmp_path: Path) -> None:
@@ -46,12 +51,7 @@ def test_claims_callgrind_smoke(tmp_path: Path) -> None:
 def test_claim_cost_smoke(tmp_path: Path) -> None:
     """benchmarks/studies/claim_cost.py: small claims timed, and PostgreSQL's work by statement
     where pg_stat_statements is installed."""
-    out = tmp_path / "claim_cost.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.studies.claim_cost", "--claims", "50", "--rows", "5",
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    cost = json.loads(out.read_text())
+    cost = study(tmp_path, "claim_cost", "--claims", "50", "--rows", "5")
     assert cost["claims"] == 50 and cost["claim_commit_us_median"] > 0
     queries = [s["query"] for s in cost["statements"]]
     assert not queries or any("Step 1 of the protocol" in q for q in queries), queries

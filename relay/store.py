@@ -36,6 +36,7 @@ from outbox_relay.postgres import (
     warn_key_readers,
     warn_unchecked,
 )
+from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay.marks import ClaimMarks
 from outbox_relay.rules import DEFAULT_MAX_MESSAGE_BYTES
 from outbox_relay.schema import check_schema
@@ -43,11 +44,19 @@ from outbox_relay.tables import Tables
 
 # Planner guards of the relay's sessions. An outbox swings between empty and full and its
 # statistics lag behind, so a plan must be good in any state the planner may believe in:
-# - No statement is prepared server-side (psycopg would after 5 executions). A prepared
-#   statement may keep a generic plan built while the table was empty (0 pages after VACUUM
-#   truncated it: every scan then costs nothing) and use it on 150,000 rows until autovacuum
-#   invalidates it, minutes later. Unprepared, each statement is planned against the table's
-#   current size, with its parameters; planning the claim costs well under a millisecond.
+# - The claim runs one plan per session, its generic plan: prepared once (CLAIM_STATEMENT,
+#   outbox_relay/prepared.py) and run with plan_cache_mode = force_generic_plan. Planning it
+#   at every claim took 0.6-0.9 ms of the 3 ms a claim and its COMMIT take at a steady load
+#   (benchmarks.studies.claim_cost, benchmarks/NOTEBOOK.md). A generic plan is the one a
+#   statement keeps however the table changes, until an ANALYZE or DDL of the table has it
+#   rebuilt: test_plans.py builds it in each bad planner state (an empty table after VACUUM
+#   truncated it, never analyzed, ...), then runs it on 50,000 rows, and checks that it
+#   stays linear in the batch; that is what the guards below are for. A DDL that changes
+#   the claim's result (a column's type) fails the claim: the session is closed and the next
+#   one prepares the statement anew.
+# - No other statement is prepared server-side (psycopg would after 5 executions): each is
+#   planned against the table's current size, with its parameters. They run seldom (the
+#   writers' and frontier reads once per 100 rows, the failure bookkeeping) or are small.
 # - Sequential scans off wherever a statement touches a batch of rows (the claim session,
 #   and the failure bookkeeping's transaction): such a statement always has an index path
 #   linear in the batch, and a plan built on an empty table would otherwise read the whole
@@ -63,7 +72,10 @@ from outbox_relay.tables import Tables
 #   milliseconds.
 CLAIM_SESSION_SETUP = ("SELECT set_config('enable_seqscan', 'off', false), "
                        "set_config('enable_bitmapscan', 'off', false), "
-                       "set_config('jit', 'off', false)")
+                       "set_config('jit', 'off', false), "
+                       "set_config('plan_cache_mode', 'force_generic_plan', false)")
+# The claim's prepared statement on the claim session (one per session, whatever the table).
+CLAIM_STATEMENT = "outbox_relay_claim"
 
 # Bytes a row may hold besides its payload (headers, text columns) and still be fetched. A row
 # that can be published holds less: its header table fits frame_max, 128 KiB at most (what
@@ -86,7 +98,8 @@ def without_prepare(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
 
 
 def claim_session(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
-    """Make ``conn`` a claim session: no server-side prepare, plans with sequential scans off."""
+    """Make ``conn`` a claim session: plans with sequential scans off, the generic one only
+    for a prepared statement, none prepared by psycopg."""
     without_prepare(conn).execute(CLAIM_SESSION_SETUP)
     return conn
 
@@ -166,7 +179,7 @@ class OutboxStore:
         self._standbys_checked = False
         self._create_checked = False
         self._key_readers_checked = False
-        self._claim = self.tables.query("claim")
+        self._claim = PreparedStatement(CLAIM_STATEMENT, self.tables.query("claim"))
         self._claim_writers = self.tables.query("claim_writers")
         self._claim_frontier = self.tables.query("claim_frontier")
         # Where each claim's walk starts (relay/marks.py); whether the open claim holds rows,
@@ -210,7 +223,7 @@ class OutboxStore:
                                            timeout=self._connect_timeout,
                                            application_name=self._application_name)
         self._conn = without_prepare(conn)
-        self._claim = self.tables.query("claim")
+        self._claim = PreparedStatement(CLAIM_STATEMENT, self.tables.query("claim"))
         self._claim_writers = self.tables.query("claim_writers")
         self._claim_frontier = self.tables.query("claim_frontier")
         self.marks.restart()
@@ -242,6 +255,7 @@ class OutboxStore:
             # one fixed, unambiguous form.
             self._claim_conn.execute("SET datestyle TO ISO, YMD")
             self._claim_conn.execute("SET timezone TO UTC")
+            self._claim.prepare(self._claim_conn)
         except (TransientError, psycopg.Error):
             self.close()
             raise
@@ -292,18 +306,18 @@ class OutboxStore:
             # unlock are sent together, so the server never holds the lock waiting on us. A
             # claim that reads where the marks may move (relay/marks.py) reads the writers
             # before its snapshot and after it, its frontier after its deletes and the second
-            # read. prepare=False: never a cached generic plan (CLAIM_SESSION_SETUP,
-            # queries.sql).
+            # read. The claim is the session's prepared statement; prepare=False: psycopg
+            # prepares nothing (CLAIM_SESSION_SETUP).
             with conn.pipeline(), conn.cursor(binary=True) as cur:
                 conn.execute(lock, key, prepare=False)
                 if ahead:
                     conn.execute(AHEAD_LOCK_WAIT, prepare=False)
                 before = conn.execute(self._claim_writers, prepare=False) if reads else None
-                cur.execute(self._claim, {
+                cur.execute(self._claim.execute_query({
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
                     "max_row_bytes": max_message_bytes + ROW_HEADROOM,
-                    "one_row_at_least": one_row_at_least, "after": after, "floor": floor},
+                    "one_row_at_least": one_row_at_least, "after": after, "floor": floor}),
                     prepare=False)
                 if ahead:
                     conn.execute("SET LOCAL lock_timeout TO DEFAULT", prepare=False)

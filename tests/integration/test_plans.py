@@ -22,7 +22,6 @@ replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE runs the cached 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay import store
 from outbox_relay.relay.store import OutboxStore
 from outbox_relay.tables import Tables
@@ -54,18 +54,6 @@ SECONDS_BOUND = 1.0  # measured: 2-10 ms; the old claim took 10-20 s here
 STATES = ("vacuumed_empty", "never_analyzed", "analyzed_with_retry_rows_only")
 
 
-def _prepare_text(text: str) -> tuple[str, list[str]]:
-    """%(name)s placeholders as $1, $2 ... for PREPARE; the names in their order."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return re.sub(r"%\((\w+)\)s", number, text), names
-
-
 def _insert(conn: psycopg.Connection[Any], table: sql.Identifier, count: int, *,
             attempts: int = 0, due_in: str = "0 s", keys: int | None = None) -> None:
     """``count`` rows; with ``keys``, ordering keys 'k0' to 'k<keys - 1>' round robin."""
@@ -83,16 +71,11 @@ class Statement:
     def __init__(self, conn: psycopg.Connection[Any], tables: Tables, name: str,
                  setup: str | None = None) -> None:
         self.conn, self.name, self.setup = conn, name, setup
-        text, self.params = _prepare_text(tables.query(name).as_string(conn))
-        self.handle = f"hot_{name}"
-        conn.execute(sql.SQL("PREPARE {} AS ").format(sql.Identifier(self.handle))
-                     + sql.SQL(text))  # type: ignore[arg-type]
+        self.prepared = PreparedStatement(f"hot_{name}", tables.query(name))
+        self.prepared.prepare(conn)
 
     def _execute(self, prefix: str, params: dict[str, Any]) -> list[Any]:
-        query = sql.SQL(prefix + "EXECUTE {}").format(sql.Identifier(self.handle))
-        if self.params:
-            query += sql.SQL(" ({})").format(
-                sql.SQL(", ").join(sql.Literal(params[n]) for n in self.params))
+        query = sql.SQL(prefix) + self.prepared.execute_query(params)
         with self.conn.transaction(force_rollback=True):
             if self.setup:
                 self.conn.execute(self.setup)
@@ -114,7 +97,7 @@ class Statement:
 
     def _plans(self) -> tuple[int, int]:
         row = self.conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-                                "WHERE name = %s", (self.handle,)).fetchone()
+                                "WHERE name = %s", (self.prepared.name,)).fetchone()
         assert row is not None
         return row[0], row[1]
 
@@ -292,7 +275,9 @@ def test_a_due_retry_row_is_claimed_alone_and_no_fresh_row_is_locked(env: Env) -
 
 def test_the_relay_store_claims_fast_after_many_claims_on_an_empty_table(env: Env) -> None:
     """The real code path: more claims than psycopg's prepare threshold on the empty table,
-    then a burst; nothing is prepared server-side and the burst's first claim takes ms."""
+    then a burst. The claim is the one statement prepared server-side, its plan the generic
+    one built on the empty table (the tests above check that plan's shape), and the burst's
+    first claim takes ms."""
     tables = Tables(env.table)
     relay = OutboxStore(env.db_url, env.table)
     with env.connect() as admin:
@@ -309,9 +294,12 @@ def test_the_relay_store_claims_fast_after_many_claims_on_an_empty_table(env: En
             relay.rollback()
             assert len(rows) == BATCH and [r.id for r in rows] == sorted(r.id for r in rows)
             assert seconds < SECONDS_BOUND
-            for conn in (relay.claim_conn, relay.conn):
-                assert conn.execute("SELECT count(*) FROM pg_prepared_statements"
-                                    ).fetchone() == (0,)
+            prepared = relay.claim_conn.execute(
+                "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
+            ).fetchall()
+            assert prepared == [(store.CLAIM_STATEMENT, 11, 0)]
+            assert relay.conn.execute("SELECT count(*) FROM pg_prepared_statements"
+                                      ).fetchone() == (0,)
             assert relay.claim_conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
             assert relay.conn.execute("SHOW enable_seqscan").fetchone() == ("on",)
 

@@ -10,6 +10,7 @@ import pytest
 
 from outbox_relay import postgres
 from outbox_relay import sql as sql_files
+from outbox_relay.prepared import PreparedStatement, numbered
 from outbox_relay.schema import schema_sql
 from outbox_relay.sql import parse_named
 from outbox_relay.tables import Tables, table_name
@@ -193,3 +194,13 @@ def test_mixed_case_table_is_refused_by_config_or_looked_up_quoted() -> None:
     postgres.check_server(conn, Tables("MyOutbox"))  # type: ignore[arg-type]
 
     assert conn.params["outbox"] == Tables("MyOutbox").outbox.as_string(None)
+
+
+def test_a_prepared_statement_numbers_each_name_once_and_executes_with_literals() -> None:
+    text, names = numbered("SELECT %(a)s, %(b)s WHERE x > %(a)s LIMIT %(c)s")
+    assert (text, names) == ("SELECT $1, $2 WHERE x > $1 LIMIT $3", ["a", "b", "c"])
+    claim = PreparedStatement("outbox_relay_claim", Tables("outbox").query("claim"))
+    claim.params = ["limit", "one_row_at_least", "after"]  # as prepare() would set them
+    executed = claim.execute_query({"after": 7, "limit": 200, "one_row_at_least": True,
+                                    "unused": "x"}).as_string(None)
+    assert executed == 'EXECUTE "outbox_relay_claim" (200, true, 7)'

@@ -23,7 +23,6 @@ from benchmarks.processes import run_together, status_kb
 from benchmarks.profile import Profiler
 from benchmarks.workload import Servers, check_exactly_once, prefill, reset
 from outbox_relay.model import OutboxRow
-from outbox_relay.postgres import connect
 from outbox_relay.relay.publisher import AmqpPublisher
 from outbox_relay.relay.settings import RelaySettings
 from outbox_relay.relay.store import BATCH_STATEMENTS_SETUP, OutboxStore
@@ -43,8 +42,7 @@ class PlainCommitStore(OutboxStore):
 
     def connect(self, lock_class: int, instance: int) -> None:
         super().connect(lock_class, instance)
-        self._sessions = [self.claim_conn, connect(self._url, timeout=10,
-                                                   application_name="outbox-bench-plain")]
+        self._sessions = [self.claim_conn, self.open_claim_session()]
         self._open: deque[psycopg.Connection[Any]] = deque()
 
     @property

@@ -248,17 +248,26 @@ class OutboxStore:
             self.close()
             raise TransientError("instance lock busy (a resolver is checking it); retrying")
         try:
-            self._claim_conn = claim_session(connect_pinned(
-                self._url, self._table, timeout=self._connect_timeout,
-                application_name=f"{self._application_name} claim")[0])
-            # created_at travels as text from the claim to a dead-letter insert on this session:
-            # one fixed, unambiguous form.
-            self._claim_conn.execute("SET datestyle TO ISO, YMD")
-            self._claim_conn.execute("SET timezone TO UTC")
-            self._claim.prepare(self._claim_conn)
+            self._claim_conn = self.open_claim_session()
         except (TransientError, psycopg.Error):
             self.close()
             raise
+
+    def open_claim_session(self) -> psycopg.Connection[Any]:
+        """A new claim session: its planner guards set, the claim prepared."""
+        conn = claim_session(connect_pinned(
+            self._url, self._table, timeout=self._connect_timeout,
+            application_name=f"{self._application_name} claim")[0])
+        try:
+            # created_at travels as text from the claim to a dead-letter insert on this session:
+            # one fixed, unambiguous form.
+            conn.execute("SET datestyle TO ISO, YMD")
+            conn.execute("SET timezone TO UTC")
+            self._claim.prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         for conn in (self._claim_conn, self._conn):

@@ -43,14 +43,14 @@
 --   id order, so the window over w sorts nothing, and k is named before w: PostgreSQL then
 --   computes w first and k last, the rows leave that level sorted by key, and the next
 --   level's window over k sorts nothing either. One sort of the batch, by key.
--- - The claim session never prepares it server-side (store.py: no generic plan cached while
---   the table looked empty) and plans with sequential scans off: even a plan made for an
---   empty table walks the primary key in id order and stops after the batch (the retry
---   branch walks outbox_retry_idx). The DELETE finds its rows by ctid, a TID scan: the
---   ctids of the row versions this statement locked (a row changed since the snapshot is
---   locked in its last version, below), which no one else can change or remove before it
---   ends. A sequential scan would read the whole table per claim, and test
---   each row against the whole array.
+-- - The claim session prepares it once and runs only its generic plan, built whatever the
+--   table looked like then (store.py, CLAIM_STATEMENT), and plans with sequential scans off:
+--   even a plan made for an empty table walks the primary key in id order and stops after
+--   the batch (the retry branch walks outbox_retry_idx). The DELETE finds its rows by
+--   ctid, a TID scan: the ctids of the row versions this statement locked (a row changed
+--   since the snapshot is locked in its last version, below), which no one else can change
+--   or remove before it ends. A sequential scan would read the whole table per claim, and
+--   test each row against the whole array.
 -- - The CTE of the deleted rows is read twice (for the oversized rows and by the final
 --   SELECT), and the oversized rows' twice (by the dead-letter INSERT and the final SELECT),
 --   each a scan of the batch. The two joins are LATERAL, nested loops whose inner side is

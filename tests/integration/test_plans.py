@@ -5,9 +5,10 @@ VACUUM truncated it, or never analyzed) when a burst of 50,000 rows arrives, and
 built in that state costs every scan at zero. The old claim then rescanned a CTE for every
 outbox row: 50,000 x 2,000 tuple copies, about 10-20 s per claim. Here each statement gets its
 plan built while the table is in a bad state, with the planner settings the relay's sessions
-use (relay/store.py), cached as a generic plan (plan_cache_mode = force_generic_plan, the plan
-a server-side prepared statement would keep); autovacuum is off for the table, so nothing
-replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE runs the cached plan:
+use (relay/store.py), cached as a generic plan (plan_cache_mode = force_generic_plan: the plan
+the relay's claim session runs, and one any prepared statement may keep); autovacuum is off
+for the table, so nothing replaces that plan. Then 50,000 rows arrive and EXPLAIN ANALYZE
+runs the cached plan:
 
 - no plan node runs more than once per execution: a per-row rescan of a CTE or subquery shows
   as a node run once per outbox row (their row locks are taken in an ARRAY(SELECT ...)

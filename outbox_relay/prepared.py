@@ -39,10 +39,17 @@ class PreparedStatement:
         self.params: list[str] = []
 
     def prepare(self, conn: psycopg.Connection[Any]) -> None:
-        """PREPARE it on ``conn``; PostgreSQL infers each parameter's type from its use."""
+        """PREPARE it on autocommit ``conn``, replacing a statement of that name the session
+        already has (a server connection PgBouncer hands on without DISCARD ALL, when its
+        server_reset_query is empty). PostgreSQL infers each parameter's type from its use."""
         text, self.params = numbered(self.query.as_string(conn))
-        conn.execute(sql.SQL("PREPARE {} AS ").format(sql.Identifier(self.name))
-                     + sql.SQL(text))  # text from our own .sql file
+        name = sql.Identifier(self.name)
+        prepare = sql.SQL("PREPARE {} AS ").format(name) + sql.SQL(text)  # our own .sql file
+        try:
+            conn.execute(prepare)
+        except psycopg.errors.DuplicatePreparedStatement:
+            conn.execute(sql.SQL("DEALLOCATE {}").format(name))
+            conn.execute(prepare)
 
     def execute_query(self, params: Mapping[str, Any]) -> sql.Composed:
         """The EXECUTE statement for ``params``, as literals: EXECUTE takes no bind parameter."""

@@ -10,6 +10,8 @@ import pytest
 from psycopg import sql
 
 from devenv import checker
+from outbox_relay.prepared import PreparedStatement
+from outbox_relay.relay import store
 from outbox_relay.tables import Tables
 from tests.conftest import Env
 from tests.integration.test_pipeline import log_of, outbox_count, stop, wait_until
@@ -49,3 +51,24 @@ def test_the_relay_goes_on_after_ddl_changes_the_outbox_under_its_prepared_claim
     assert "cached plan must not change result type" in log_of(relay), log_of(relay)
     report = env.drain_and_check(produced)
     assert report.ok(max_duplicates=0), report.summary()
+
+
+def test_a_session_that_has_a_statement_of_the_claims_name_gets_the_claim(env: Env) -> None:
+    """PgBouncer in session mode with an empty server_reset_query hands a server connection
+    on as it was: a relay's new session may find an older session's statement there."""
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        conn.execute(sql.SQL("PREPARE {} AS SELECT 1").format(
+            sql.Identifier(store.CLAIM_STATEMENT)))
+        claim = PreparedStatement(store.CLAIM_STATEMENT, tables.query("claim"))
+        claim.prepare(store.claim_session(conn))
+        with conn.transaction(force_rollback=True):
+            rows = conn.execute(claim.execute_query({
+                "limit": 10, "max_bytes": 1 << 20, "max_message_bytes": 1 << 20,
+                "max_row_bytes": 2 << 20, "one_row_at_least": True, "after": 0, "floor": 0,
+            })).fetchall()
+        assert rows == []  # the claim's result, not SELECT 1's
+        statements = conn.execute("SELECT name, statement FROM pg_prepared_statements"
+                                  ).fetchall()
+        assert [name for name, _ in statements] == [store.CLAIM_STATEMENT]
+        assert "Step 1 of the protocol" in statements[0][1]

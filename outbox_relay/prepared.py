@@ -15,14 +15,17 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_PLACEHOLDER = re.compile(r"%%|%\((\w+)\)s")
 
 
 def numbered(text: str) -> tuple[str, list[str]]:
-    """%(name)s placeholders as $1, $2 ... for PREPARE; the names in their order."""
+    """%(name)s placeholders as $1, $2 ... for PREPARE, and %% as %: the text then goes to the
+    server as it is, with no parameter for psycopg to fill in. The names in their order."""
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return "%"
         if match.group(1) not in names:
             names.append(match.group(1))
         return f"${names.index(match.group(1)) + 1}"

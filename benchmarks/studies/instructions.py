@@ -13,8 +13,9 @@ next, and a change worth a few per cent shows only here.
   one Python process under callgrind, minus the same process building the rows only;
 - claim: the relay's claim statement (sql/queries.sql), batches of B out of N rows, on a
   PostgreSQL of its own (C locale, as the benchmark's) started under callgrind: the claim
-  session's backend only, minus a session that runs the claim once on the empty table (its
-  planning and catalog reads). Plain COMMIT after each claim: PREPARE is not what is counted.
+  session's backend only (the claim prepared and run by its generic plan, as the relay's),
+  minus a session that runs the claim once on the empty table (its parsing, planning and
+  catalog reads). Plain COMMIT after each claim: PREPARE is not what is counted.
 
 Needs valgrind (Debian's package). Minutes: everything runs about 50 times slower under it.
 """
@@ -37,8 +38,9 @@ from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_s
 from benchmarks.workload import KEY_HEADER_STAND_INS, KEY_SQL, say, write_results
 from devenv.servers import PostgresServer
 from outbox_relay.model import OutboxRow
+from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay.messages import to_message
-from outbox_relay.relay.store import claim_session
+from outbox_relay.relay.store import CLAIM_STATEMENT, claim_session
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
 
@@ -120,13 +122,13 @@ def _fill(url: str, tables: Tables, rows: int, keys: int, shuffled: bool = False
 
 def _claim_session(server: PostgresServer, tables: Tables, batch: int, claims: int) -> int:
     """Instructions of one claim session's backend that claims ``claims`` batches."""
-    claim = tables.query("claim")
+    claim = PreparedStatement(CLAIM_STATEMENT, tables.query("claim"))
     with psycopg.connect(server.url, autocommit=True) as conn:
         pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
-        claim_session(conn)
+        claim.prepare(claim_session(conn))  # as the relay's claim session: one generic plan
         for _ in range(claims):
             conn.execute("BEGIN")
-            got = conn.execute(claim, {"limit": batch, **CLAIM_PARAMS}, prepare=False).fetchall()
+            got = conn.execute(claim.execute_query({"limit": batch, **CLAIM_PARAMS})).fetchall()
             conn.execute("COMMIT")
             if claims > 1 and len(got) != batch:
                 raise RuntimeError(f"a claim returned {len(got)} rows, not {batch}")

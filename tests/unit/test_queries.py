@@ -197,8 +197,10 @@ def test_mixed_case_table_is_refused_by_config_or_looked_up_quoted() -> None:
 
 
 def test_a_prepared_statement_numbers_each_name_once_and_executes_with_literals() -> None:
-    text, names = numbered("SELECT %(a)s, %(b)s WHERE x > %(a)s LIMIT %(c)s")
-    assert (text, names) == ("SELECT $1, $2 WHERE x > $1 LIMIT $3", ["a", "b", "c"])
+    text, names = numbered("SELECT %(a)s, format('%%s of %%%%', %(b)s) WHERE x > %(a)s "
+                           "LIMIT %(c)s")
+    assert (text, names) == ("SELECT $1, format('%s of %%', $2) WHERE x > $1 LIMIT $3",
+                             ["a", "b", "c"])
     claim = PreparedStatement("outbox_relay_claim", Tables("outbox").query("claim"))
     claim.params = ["limit", "one_row_at_least", "after"]  # as prepare() would set them
     executed = claim.execute_query({"after": 7, "limit": 200, "one_row_at_least": True,

@@ -39,13 +39,14 @@ class PreparedStatement:
     def __init__(self, name: str, query: sql.Composable) -> None:
         self.name = name
         self.query = query
-        self.params: list[str] = []
+        # The parameters' order, known before any session: identifiers hold no placeholder.
+        self.params = numbered(query.as_string(None))[1]
 
     def prepare(self, conn: psycopg.Connection[Any]) -> None:
         """PREPARE it on autocommit ``conn``, replacing a statement of that name the session
         already has (a server connection PgBouncer hands on without DISCARD ALL, when its
         server_reset_query is empty). PostgreSQL infers each parameter's type from its use."""
-        text, self.params = numbered(self.query.as_string(conn))
+        text = numbered(self.query.as_string(conn))[0]  # quoted in the session's encoding
         name = sql.Identifier(self.name)
         prepare = sql.SQL("PREPARE {} AS ").format(name) + sql.SQL(text)  # our own .sql file
         try:

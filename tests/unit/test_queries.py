@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg import sql
 
 from outbox_relay import postgres
 from outbox_relay import sql as sql_files
@@ -201,8 +202,11 @@ def test_a_prepared_statement_numbers_each_name_once_and_executes_with_literals(
                            "LIMIT %(c)s")
     assert (text, names) == ("SELECT $1, format('%s of %%', $2) WHERE x > $1 LIMIT $3",
                              ["a", "b", "c"])
+    statement = PreparedStatement("s", sql.SQL("SELECT {} WHERE id > %(after)s LIMIT %(limit)s "
+                                           "OR %(one)s").format(sql.Identifier("a b")))
+    assert statement.params == ["after", "limit", "one"]  # before any session
+    executed = statement.execute_query({"limit": 200, "one": True, "after": 7, "unused": "x"})
+    assert executed.as_string(None) == 'EXECUTE "s" (7, 200, true)'
     claim = PreparedStatement("outbox_relay_claim", Tables("outbox").query("claim"))
-    claim.params = ["limit", "one_row_at_least", "after"]  # as prepare() would set them
-    executed = claim.execute_query({"after": 7, "limit": 200, "one_row_at_least": True,
-                                    "unused": "x"}).as_string(None)
-    assert executed == 'EXECUTE "outbox_relay_claim" (200, true, 7)'
+    assert sorted(claim.params) == ["after", "floor", "limit", "max_bytes", "max_message_bytes",
+                                    "max_row_bytes", "one_row_at_least"]

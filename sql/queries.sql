@@ -758,6 +758,18 @@ SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
 FROM pg_catalog.pg_class AS c
 WHERE c.oid = {outbox_text}::regclass;
 
+-- name: compact_indexes
+-- `outbox-relay compact`: the outbox's indexes (schema, name) and which is its primary key, which
+-- CLUSTER last marked, which are valid. An invalid one named like REINDEX CONCURRENTLY's own
+-- (`_ccnew`, `_ccold`, with a number when taken) is what an interrupted one left behind.
+SELECT n.nspname, i.relname, x.indisprimary, x.indisclustered,
+       NOT x.indisvalid AND i.relname ~ '_cc(new|old)[0-9]*$'
+FROM pg_catalog.pg_index AS x
+JOIN pg_catalog.pg_class AS i ON i.oid = x.indexrelid
+JOIN pg_catalog.pg_namespace AS n ON n.oid = i.relnamespace
+WHERE x.indrelid = {outbox_text}::regclass
+ORDER BY i.relname;
+
 -- name: table_size
 -- `outbox-relay compact`: the outbox's heap (with its TOAST) and indexes in bytes, the dead rows
 -- the statistics count, and the live rows VACUUM last counted (reltuples; -1 before any).

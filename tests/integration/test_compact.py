@@ -54,6 +54,21 @@ def sizes(env: Env) -> compact.Sizes:
         return compact.Sizes.read(conn, tables)
 
 
+def index_state(env: Env) -> list[tuple[str, bool, bool]]:
+    """The outbox's indexes: name, valid, marked by CLUSTER."""
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        return [(name, valid, clustered) for name, valid, clustered in conn.execute(
+            "SELECT i.relname, x.indisvalid, x.indisclustered FROM pg_index AS x "
+            "JOIN pg_class AS i ON i.oid = x.indexrelid WHERE x.indrelid = %s::regclass "
+            "ORDER BY 1", (Tables(env.table).outbox.as_string(None),)).fetchall()]
+
+
+def compact_now(env: Env) -> compact.Compacted:
+    conn, tables = connect_pinned(env.db_url, env.table, timeout=10, application_name="t")
+    with conn:
+        return compact.compact(conn, tables, lock_timeout=0.1, max_block=2, attempts=3)
+
+
 class Writer(threading.Thread):
     """A producer inserting one row per transaction until stopped; its slowest INSERT."""
 
@@ -101,6 +116,8 @@ def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> No
     kept = rows(env)
     before = sizes(env)
     assert before.heap_bytes > 40 * 1024**2  # the pages VACUUM keeps
+    indexes_before = index_state(env)
+    assert all(valid and not clustered for _, valid, clustered in indexes_before)
 
     dry = run_cli(env, "relay", "compact", "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -118,6 +135,9 @@ def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> No
         writer.join()
     assert done.returncode == 0, done.stderr
     assert '"action": "compacted"' in done.stderr
+    assert '"indexes_rebuilt_concurrently": true' in done.stderr
+    # The indexes rebuilt by their names, valid, none left behind; CLUSTER's mark taken back.
+    assert index_state(env) == indexes_before
 
     after = sizes(env)
     assert after.heap_bytes < before.heap_bytes / 20
@@ -134,6 +154,7 @@ def test_compact_gives_back_the_pages_and_keeps_every_row(own_db_env: Env) -> No
 def test_compact_waits_out_a_prepared_batch_then_gives_up_changing_nothing(
         env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compact, "RETRY_PAUSE", 0.05)
+    monkeypatch.setattr(compact, "REBUILD_TIMEOUT", 0.5)  # it waits for the batch too
     fill(env, 20_000, keep=10)
     outbox = Tables(env.table).outbox
     gid = f"{env.gid_prefix}:compact-test"
@@ -155,10 +176,31 @@ def test_compact_waits_out_a_prepared_batch_then_gives_up_changing_nothing(
         assert writer.count > 0
         assert writer.slowest < 0.05 + 1  # each attempt queued writers for lock_timeout at most
         assert sizes(env).heap_bytes >= before.heap_bytes  # not rewritten
+        # The concurrent rebuild waited for the batch too, and left its invalid new indexes
+        # (which it could not drop either, the batch still there).
+        assert any(not valid and "_ccnew" in name for name, valid, _ in index_state(env))
     finally:
         with psycopg.connect(env.db_url, autocommit=True) as conn:
             conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
     assert len(rows(env)) == 10 + writer.count  # the batch's row is back: nothing lost
+    # The next compaction drops those leftovers first, and runs.
+    done = compact_now(env)
+    assert done.rebuilt_concurrently
+    assert all(valid and "_cc" not in name for name, valid, _ in index_state(env))
+
+
+def test_an_index_marked_by_cluster_keeps_its_mark(env: Env) -> None:
+    """The rewrite is a CLUSTER on the primary key: the mark an operator set stays."""
+    fill(env, 20_000, keep=10)
+    marked = f"{env.table}_message_id_key"
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER TABLE {} CLUSTER ON {}").format(
+            Tables(env.table).outbox, sql.Identifier(marked)))
+    kept = rows(env)
+    done = compact_now(env)
+    assert done.after.heap_bytes < done.before.heap_bytes
+    assert rows(env) == kept
+    assert [name for name, _, clustered in index_state(env) if clustered] == [marked]
 
 
 def test_a_rewrite_past_max_block_is_rolled_back(env: Env) -> None:

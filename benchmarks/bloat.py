@@ -154,6 +154,8 @@ def resolver_compaction(resolver: processes.Program, timeout: float = 300.0) -> 
         for field in ("blocked_seconds", "attempts", "heap_bytes_before", "heap_bytes_after",
                       "index_bytes_before", "index_bytes_after"):
             result[field] = json.loads(resolver.log_field("compacted", field, timeout))
+        result["indexes_rebuilt_concurrently"] = resolver.log_field(
+            "compacted", "indexes_rebuilt_concurrently", timeout) == "True"
     except RuntimeError:
         say(f"bloat: no compaction within {timeout:g} s; see {resolver.log_path}")
         result["compacted"] = False

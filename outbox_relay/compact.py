@@ -14,9 +14,11 @@ and every relay's claim waits while it holds it. So this command bounds that wai
   while writers go on, not under the lock;
 - the rewrite is ``CLUSTER`` on the primary key, not ``VACUUM FULL``: after the VACUUM it
   reads the few live rows through the index, where VACUUM FULL reads every (empty) page of the
-  heap. What is left under the lock is mostly the drop of the old heap file (in the notebook:
-  331 ms of VACUUM FULL for a 563 MB heap and 242 MB of indexes, 144-161 ms this way; TRUNCATE
-  of the same table alone 212 ms). CLUSTER's mark on the index is put back as it was;
+  heap. What is left under the lock is mostly the drop of the old heap file (a scratch
+  measurement in the notebook: 331 ms of VACUUM FULL for a 563 MB heap and 242 MB of
+  indexes, 144-161 ms this way; TRUNCATE of the same table alone 212 ms). CLUSTER's mark on
+  the index is put back as it was, by the owner (a role granted MAINTAIN may not ALTER the
+  table: the primary key stays marked);
 - the lock is asked for with a short ``lock_timeout`` (a queued ACCESS EXCLUSIVE request
   makes every later INSERT wait behind it), and asked again after a pause: a prepared batch
   (in doubt too) or another session reading the outbox holds it off and is waited out, never
@@ -31,7 +33,7 @@ leaves invalid ``_ccnew``/``_ccold`` indexes, which every INSERT would still mai
 next compaction drops them first (``DROP INDEX CONCURRENTLY``), and the rewrite rebuilds the
 indexes anyway.
 
-Only the table's owner may VACUUM FULL it (or, on PostgreSQL 17 and later, a role granted
+Only the table's owner may REINDEX and CLUSTER it (or, on PostgreSQL 17 and later, a role granted
 MAINTAIN on it): run it with the role that ran ``migrate``, not the relays'. The resolver runs
 the same compaction by itself once a snapshot held over a minute has ended
 (outbox_relay/resolver/compaction.py), when its role may.
@@ -173,9 +175,11 @@ def rebuild_indexes(conn: psycopg.Connection[Any], tables: Tables) -> bool:
         reset_timeouts(conn)
 
 
-def rewrite(conn: psycopg.Connection[Any], tables: Tables) -> None:
-    """The rewrite, in one transaction: CLUSTER on the primary key, its mark put back as it
-    was (VACUUM FULL on a table without one)."""
+def rewrite(conn: psycopg.Connection[Any], tables: Tables, *, put_mark_back: bool) -> None:
+    """The rewrite, in one transaction: CLUSTER on the primary key (VACUUM FULL on a table
+    without one). CLUSTER marks the index it used: the mark is put back as it was when
+    ``put_mark_back`` (only the owner may ALTER the table; a role granted MAINTAIN leaves the
+    primary key marked)."""
     found = indexes(conn, tables)
     primary = next((index for index in found if index.primary), None)
     if primary is None:
@@ -184,6 +188,8 @@ def rewrite(conn: psycopg.Connection[Any], tables: Tables) -> None:
     clustered = next((index for index in found if index.clustered), None)
     with conn.transaction():
         conn.execute(sql.SQL("CLUSTER {} USING {}").format(tables.outbox, primary.bare))
+        if not put_mark_back:
+            return
         if clustered is None:
             conn.execute(sql.SQL("ALTER TABLE {} SET WITHOUT CLUSTER").format(tables.outbox))
         elif clustered != primary:
@@ -191,16 +197,18 @@ def rewrite(conn: psycopg.Connection[Any], tables: Tables) -> None:
                 tables.outbox, clustered.bare))
 
 
-def check_owner(conn: psycopg.Connection[Any], tables: Tables) -> None:
-    """Refuse, before touching anything, a role that may not VACUUM FULL the outbox (PostgreSQL
-    would only warn, "skipping", and rewrite nothing)."""
+def check_owner(conn: psycopg.Connection[Any], tables: Tables) -> bool:
+    """Refuse, before touching anything, a role that may not rewrite the outbox (its plain
+    VACUUM would only warn, "skipping", and REINDEX and CLUSTER fail half way). Whether it
+    may also ALTER the table: the owner may, a role granted MAINTAIN may not."""
     row = conn.execute(tables.query("compact_allowed")).fetchone()
     assert row is not None
-    allowed, owner = row
+    allowed, owner, may_alter = row
     if not allowed:
         raise StartupCheckError(
             f"this role may not rewrite {tables.name}: run compact as its owner ({owner}), the "
             "role that ran migrate (on PostgreSQL 17 and later, a role granted MAINTAIN on it)")
+    return bool(may_alter)
 
 
 def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: float,
@@ -209,7 +217,7 @@ def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: floa
     autocommit session. ``max_dead_rows``: give up, locking nothing, when the VACUUM left more
     dead rows than that (something still holds the horizon back: the rewrite would copy them
     all)."""
-    check_owner(conn, tables)
+    may_alter = check_owner(conn, tables)
     conn.execute(sql.SQL("VACUUM {}").format(tables.outbox))
     before = Sizes.read(conn, tables)
     if max_dead_rows is not None and before.dead_rows > max_dead_rows:
@@ -223,7 +231,7 @@ def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: floa
         for attempt in range(1, attempts + 1):
             started = time.monotonic()
             try:
-                rewrite(conn, tables)
+                rewrite(conn, tables, put_mark_back=may_alter)
             except pg_errors.LockNotAvailable:
                 if attempt == attempts:
                     raise CompactFailed(

@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(drop, DEAD_LETTER_OPTIONS)
     shrink = sub.add_parser(
         "compact", help="give back the space a long-held snapshot left in the outbox",
-        description="VACUUM the outbox, then rewrite it and its indexes with its live rows "
-        "only (VACUUM FULL), as its owner: producers and relays wait while the rewrite holds "
+        description="VACUUM the outbox, then rebuild its indexes concurrently and rewrite it "
+        "with its live rows only (CLUSTER), as its owner: producers and relays wait while the rewrite holds "
         "the table, at most OUTBOX_COMPACT_LOCK_TIMEOUT + OUTBOX_COMPACT_MAX_BLOCK seconds an "
         "attempt; a rewrite that would take longer is rolled back. Run it once the snapshot "
         "that made the table grow has ended. Exit codes: 0 done (--dry-run: sizes printed), 1 "

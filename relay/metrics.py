@@ -54,7 +54,7 @@ class RelayMetrics:
         self.claims_ahead_given_up = Counter(
             "outbox_relay_claims_ahead_given_up_total",
             "Claims made ahead (while a batch waits for its confirms) that gave up after 10 ms "
-            "waiting behind a request for the whole table (VACUUM FULL, DDL)", registry=r)
+            "waiting behind a request for the whole table (a compaction's rewrite, DDL)", registry=r)
         self.batches = Counter(
             "outbox_relay_batches_total", "Batches by outcome", ["outcome"], registry=r)
         self.batch_duration = Histogram(

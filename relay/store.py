@@ -155,7 +155,7 @@ def claim_lock_key(table: str) -> int:
 
 # How long a claim made ahead (while the batch in flight waits for its confirms) waits for a
 # table lock. None is ever taken against the claims but by a request for the whole table (a
-# compaction's VACUUM FULL, an ALTER TABLE): queued behind it, the claim would keep the relay
+# compaction's CLUSTER, an ALTER TABLE): queued behind it, the claim would keep the relay
 # from finishing its batch, which holds the table, so neither would move until the request
 # timed out (outbox-relay compact's every attempt at 2,000 events/s). It gives up instead.
 AHEAD_LOCK_WAIT = "SET LOCAL lock_timeout = '10ms'"

@@ -452,7 +452,7 @@ class Relay(Loop):
                             user_id=self.publisher.user_id)
 
     def _gave_up_ahead(self) -> None:
-        """Someone asked for the whole table (a compaction's VACUUM FULL, DDL): the claim
+        """Someone asked for the whole table (a compaction's rewrite, DDL): the claim
         ahead did not queue behind that request while this batch holds the table."""
         self.metrics.claims_ahead_given_up.inc()
         log.debug("claim ahead gave up its wait: the table's whole lock is requested",

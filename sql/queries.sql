@@ -747,16 +747,24 @@ WHERE id = %(id)s AND EXISTS (SELECT FROM moved)
 RETURNING id, (SELECT id FROM moved) AS outbox_id;
 
 -- name: compact_allowed
--- `outbox-relay compact`: may this role VACUUM FULL the outbox? Its owner (or a member of the
--- owner role) or a superuser may; on PostgreSQL 17 and later also a role granted MAINTAIN on
--- it (the CASE keeps older servers from parsing a privilege they do not know).
-SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
-       OR (SELECT r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = current_user)
+-- `outbox-relay compact`: may this role REINDEX and CLUSTER the outbox? Its owner (or a member
+-- of the owner role) or a superuser may; on PostgreSQL 17 and later also a role granted
+-- MAINTAIN on it (the CASE keeps older servers from parsing a privilege they do not know).
+-- And may it ALTER the table (put CLUSTER's mark back)? Only the owner or a superuser.
+WITH may AS (
+    SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
+           OR (SELECT r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = current_user)
+           AS alter_table,
+           c.oid, c.relowner
+    FROM pg_catalog.pg_class AS c
+    WHERE c.oid = {outbox_text}::regclass
+)
+SELECT alter_table
        OR CASE WHEN pg_catalog.current_setting('server_version_num')::integer >= 170000
-               THEN pg_catalog.has_table_privilege(c.oid, 'MAINTAIN') ELSE false END,
-       pg_catalog.pg_get_userbyid(c.relowner)
-FROM pg_catalog.pg_class AS c
-WHERE c.oid = {outbox_text}::regclass;
+               THEN pg_catalog.has_table_privilege(oid, 'MAINTAIN') ELSE false END,
+       pg_catalog.pg_get_userbyid(relowner),
+       alter_table
+FROM may;
 
 -- name: compact_indexes
 -- `outbox-relay compact`: the outbox's indexes (schema, name) and which is its primary key, which

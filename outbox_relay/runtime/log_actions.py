@@ -103,7 +103,7 @@ ACTIONS: tuple[LogAction, ...] = (
         ("claim_ahead_gave_up",), "DEBUG", "relay",
         "",
         "the claim made ahead waited 10 ms behind a request for the whole table (a compaction's "
-        "`VACUUM FULL`, DDL) and claimed nothing, so that the batch in flight can finish; "
+        "rewrite, DDL) and claimed nothing, so that the batch in flight can finish; "
         "counted by `outbox_relay_claims_ahead_given_up_total`",
     ),
     LogAction(
@@ -254,10 +254,11 @@ ACTIONS: tuple[LogAction, ...] = (
     LogAction(
         ("compacted",), "INFO", "compact, resolver",
         "`table`, `heap_bytes_before`, `heap_bytes_after`, `index_bytes_before`, "
-        "`index_bytes_after`, `blocked_seconds`, `attempts`",
+        "`index_bytes_after`, `blocked_seconds`, `attempts`, `indexes_rebuilt_concurrently`",
         "`outbox-relay compact`, or the resolver once a snapshot held over "
         "`OUTBOX_RESOLVER_COMPACT_AFTER_HOLD` ended, rewrote the table (sizes after its plain "
-        "VACUUM, and after)",
+        "VACUUM, and after; `indexes_rebuilt_concurrently` false: the rewrite rebuilt them "
+        "under the lock)",
     ),
     LogAction(
         ("compact_failed",), "ERROR", "compact, resolver",

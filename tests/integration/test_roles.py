@@ -152,6 +152,14 @@ def refused(url: str, statement: sql.Composable) -> bool:
     return False
 
 
+def clustered_indexes(env: Env) -> list[str]:
+    with psycopg.connect(env.db_url, autocommit=True) as conn:
+        return [name for (name,) in conn.execute(
+            "SELECT i.relname FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid "
+            "WHERE x.indrelid = %s::regclass AND x.indisclustered",
+            (env.table,)).fetchall()]
+
+
 def test_each_program_works_as_its_least_privileged_role(
         renv: Env, roles: dict[str, str], amqp_users: dict[str, str]) -> None:
     env = renv
@@ -169,9 +177,12 @@ def test_each_program_works_as_its_least_privileged_role(
     # MAINTAIN roles.sql grants it there (before: PostgreSQL would only warn; exit 3).
     compacted = run_cli(env, "relay", "compact", OUTBOX_DATABASE_URL=roles["migrate"])
     assert compacted.returncode == 0, compacted.stderr
+    assert clustered_indexes(env) == []  # the owner put CLUSTER's mark back: none
     relay_compact = run_cli(env, "relay", "compact", OUTBOX_DATABASE_URL=roles["relay"])
     if may_maintain(env):
         assert relay_compact.returncode == 0, relay_compact.stderr
+        # MAINTAIN may not ALTER the table: the primary key stays marked (operations.md).
+        assert clustered_indexes(env) == [f"{env.table}_pkey"]
     else:
         assert relay_compact.returncode == 3, relay_compact.stderr
         assert "may not rewrite" in relay_compact.stderr

@@ -110,7 +110,7 @@ class Compacted:
     after: Sizes
     blocked_seconds: float
     attempts: int
-    rebuilt_concurrently: bool = True
+    rebuilt_concurrently: bool
 
 
 @dataclass(frozen=True)
@@ -175,12 +175,12 @@ def rebuild_indexes(conn: psycopg.Connection[Any], tables: Tables) -> bool:
         reset_timeouts(conn)
 
 
-def rewrite(conn: psycopg.Connection[Any], tables: Tables, *, put_mark_back: bool) -> None:
-    """The rewrite, in one transaction: CLUSTER on the primary key (VACUUM FULL on a table
-    without one). CLUSTER marks the index it used: the mark is put back as it was when
-    ``put_mark_back`` (only the owner may ALTER the table; a role granted MAINTAIN leaves the
-    primary key marked)."""
-    found = indexes(conn, tables)
+def rewrite(conn: psycopg.Connection[Any], tables: Tables, found: list[Index], *,
+            put_mark_back: bool) -> None:
+    """The rewrite, in one transaction: CLUSTER on the primary key among ``found`` (VACUUM FULL
+    on a table without one). CLUSTER marks the index it used: the mark is put back as it was
+    when ``put_mark_back`` (only the owner may ALTER the table; a role granted MAINTAIN leaves
+    the primary key marked)."""
     primary = next((index for index in found if index.primary), None)
     if primary is None:
         conn.execute(sql.SQL("VACUUM (FULL) {}").format(tables.outbox))
@@ -192,7 +192,7 @@ def rewrite(conn: psycopg.Connection[Any], tables: Tables, *, put_mark_back: boo
             return
         if clustered is None:
             conn.execute(sql.SQL("ALTER TABLE {} SET WITHOUT CLUSTER").format(tables.outbox))
-        elif clustered != primary:
+        elif clustered.name != primary.name:
             conn.execute(sql.SQL("ALTER TABLE {} CLUSTER ON {}").format(
                 tables.outbox, clustered.bare))
 
@@ -226,12 +226,13 @@ def compact(conn: psycopg.Connection[Any], tables: Tables, *, lock_timeout: floa
             "transaction or a replication slot still holds them (outbox_xmin_horizon_age_"
             "transactions); nothing rewritten, try again once it is gone")
     rebuilt = rebuild_indexes(conn, tables)
+    found = indexes(conn, tables)  # as the rebuild left them, for every attempt
     set_timeouts(conn, lock=lock_timeout, statement=lock_timeout + max_block)
     try:
         for attempt in range(1, attempts + 1):
             started = time.monotonic()
             try:
-                rewrite(conn, tables, put_mark_back=may_alter)
+                rewrite(conn, tables, found, put_mark_back=may_alter)
             except pg_errors.LockNotAvailable:
                 if attempt == attempts:
                     raise CompactFailed(

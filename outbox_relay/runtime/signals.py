@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -28,6 +29,9 @@ class Shutdown:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        # next() on a count is one C call: a handler nested in another (signals delivered
+        # together run the second inside the first's Python code) cannot read the same number.
+        self._signals = itertools.count()
 
     @property
     def requested(self) -> bool:
@@ -44,10 +48,10 @@ class Shutdown:
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.requested:
+        if next(self._signals) > 0:
             # A prepared batch left behind is the resolver's job: nothing is lost.
             os.write(2, b"second signal: exiting at once\n")
             os._exit(128 + signum)
+        self.request()  # before the log line: a second signal may arrive during it
         log.info("stopping after the batch in flight", extra={"action": "shutdown_requested",
                                                              "signal": signal.Signals(signum).name})
-        self.request()

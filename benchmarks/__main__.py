@@ -120,6 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the snapshot-held-open scenario with the snapshot held MINUTES (--bloat "
         "--bloat-seconds 60*MINUTES): p50/p99 by minute, the table's size before, at the "
         "snapshot's end, once the resolver has compacted it after the release, and at the end")
+    add("--delayed-row", action="store_true",
+        help="with --bloat/--snapshot: before the snapshot, a producer inserts one event due "
+        "in a day (a scheduled reminder, no ordering key), left in the outbox for the whole "
+        "run and deleted at its end")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
@@ -285,7 +289,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
         results["bloat"] = bloat.run(
             servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
             hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
-            bucket=60.0 if args.bloat_seconds >= 120 else 2.0)
+            bucket=60.0 if args.bloat_seconds >= 120 else 2.0, delayed_row=args.delayed_row)
         bloat.print_table(results["bloat"])
     if args.outage:
         results["outage"] = outage.run(

@@ -18,6 +18,9 @@ VACUUM, then the bounded rewrite, under the same load; how long writers waited o
 line and in the minute's latency), and at the end of the run. The resolver runs at its default
 settings, except for a snapshot shorter than two minutes (the suite's short form): it then
 counts a hold from half the snapshot and compacts from 0.25 MiB (``resolver_settings``).
+With ``delayed_row`` (``--delayed-row``), a scheduled event due in a day, without an ordering
+key, is inserted just before the snapshot and stays in the outbox until the run deletes it at
+its end: a row held back for long, below every row the relay claims meanwhile.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import psycopg
 from benchmarks import processes
 from benchmarks.latency import percentile
 from benchmarks.steady import Consumer, Producer
-from benchmarks.workload import Servers, reset, say
+from benchmarks.workload import EXCHANGE, ROUTING_PREFIX, Servers, reset, say
 from outbox_relay.relay import store
 
 # The claim's fresh branch as the claim session plans it (sql/queries.sql), minus FOR UPDATE.
@@ -94,8 +97,16 @@ def _probe(db_url: str, stop: threading.Event, out: list[Probe], walk_every: flo
             out.append((started, ms, int(row[0]), int(touched[0]) - walked))
 
 
+# A scheduled event (--delayed-row): due in a day, no ordering key; not the producer's, so
+# deleted before the delivery check.
+_DELAYED = """
+INSERT INTO outbox (message_id, exchange, routing_key, payload, available_at)
+VALUES ('bloat-delayed', %(exchange)s, %(routing)s, '{}', now() + interval '1 day')
+"""
+
+
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
-        bucket: float) -> dict[str, Any]:
+        bucket: float, delayed_row: bool = False) -> dict[str, Any]:
     reset(servers)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
@@ -104,6 +115,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     resolver = processes.resolver(servers, logdir, "bloat-resolver", **resolver_settings)
     programs = [resolver, processes.relay(servers, logdir, "bloat-relay")]
     probes: list[Probe] = []
+    delayed_left = False
     stop = threading.Event()
     prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes,
                                                    max(1.0, bucket / 6)), daemon=True)
@@ -116,6 +128,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
         time.sleep(warm)
         with psycopg.connect(servers.db_url, autocommit=True) as sizer:
             sizes = {"before": table_size(sizer)}
+            if delayed_row:
+                sizer.execute(_DELAYED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
         with psycopg.connect(servers.db_url) as holder:
             holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM outbox").fetchone()  # the snapshot is taken
@@ -131,6 +145,9 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
         produced = producer.result()
         received = consumer.wait_for(range(produced.count), timeout=120)
         with psycopg.connect(servers.db_url, autocommit=True) as sizer:
+            if delayed_row:  # still there (not due): the check below wants the outbox empty
+                delayed_left = sizer.execute(
+                    "DELETE FROM outbox WHERE message_id = 'bloat-delayed'").rowcount == 1
             sizes["end"] = table_size(sizer)
     finally:
         stop.set()
@@ -141,7 +158,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     summary = summarize(list(produced.commit_at), list(received.arrived_at), probes, origin,
                         warm=warm, hold=hold, bucket=bucket, rate=rate)
     return {**summary, "table_size": sizes, "compact": compacted,
-            "resolver_settings": resolver_settings}
+            "resolver_settings": resolver_settings,
+            **({"delayed_row_left_at_end": delayed_left} if delayed_row else {})}
 
 
 def resolver_compaction(resolver: processes.Program, timeout: float = 300.0) -> dict[str, Any]:

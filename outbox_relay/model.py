@@ -201,3 +201,8 @@ class OutboxStats:
     lag: float  # seconds the oldest of them is late
     never_due: int  # rows delayed to the year 10000 or later
     lowest: int | None  # the lowest id seen; None when the pass saw no row
+    # The lowest id of a row that is not parked (sql/queries.sql, claim_frontier; None: none).
+    lowest_unparked: int | None = None
+    # A full pass's: rows below ``lowest`` that the next passes leave out (delayed to a later
+    # time, counted in ``backlog``); ``lowest`` is then the lowest id of the other rows.
+    parked_below: int = 0

@@ -8,6 +8,7 @@ no psycopg error gets past them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -327,19 +328,45 @@ BOUNDED_STATS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
                        "set_config('jit', 'off', true)")
 
 
+def _optional(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) -> OutboxStats:
     """Backlog, lag and rows never due of the outbox rows with ids above ``after`` (0: the
-    whole table), and the lowest id seen (sql/queries.sql, stats)."""
+    whole table), and the lowest id seen (sql/queries.sql, stats). ``conn``: autocommit.
+
+    A full pass (``after`` 0) whose lowest rows are delayed to a later time (a scheduled
+    event) gives as ``lowest`` the first other row, or past the last row: the next passes
+    start there. The delayed rows below it are counted once more, in the same snapshot, as
+    ``parked_below``: the full count less a bounded pass's from there."""
     query = tables.query("stats")
     if after > 0:
         with conn.transaction():
             conn.execute(BOUNDED_STATS_SETUP)
             row = conn.execute(query, {"after": after}).fetchone()
-    else:
-        row = conn.execute(query, {"after": after}).fetchone()
-    assert row is not None
-    return OutboxStats(int(row[0]), float(row[1]), int(row[2]),
-                       None if row[3] is None else int(row[3]))
+        assert row is not None
+        return _stats_row(row)
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        row = conn.execute(query, {"after": 0}).fetchone()
+        assert row is not None
+        stats = _stats_row(row)
+        lowest_due, highest = _optional(row[5]), _optional(row[6])
+        start = lowest_due if lowest_due is not None else (
+            None if highest is None else highest + 1)
+        if stats.lowest is None or start is None or start <= stats.lowest:
+            return stats
+        conn.execute(BOUNDED_STATS_SETUP)
+        above = conn.execute(query, {"after": start - 1}).fetchone()
+        assert above is not None
+        return dataclasses.replace(stats, lowest=start,
+                                   parked_below=stats.backlog - int(above[0]))
+
+
+def _stats_row(row: Any) -> OutboxStats:
+    return OutboxStats(int(row[0]), float(row[1]), int(row[2]), _optional(row[3]),
+                       _optional(row[4]))
 
 
 class StatsSession:

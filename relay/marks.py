@@ -34,9 +34,18 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   found then, at most that long after they came back. No row is left below the floor, so a
   key's head is looked for above it too (a key's dead entries would be walked per probe).
   The floor moves with the same care as the mark, so the look from it walks about what was
-  claimed since the last one (a second's worth), unless a row held back for long (not due
-  for an hour, its key dead-lettered, a poison row between retries) keeps it: then that look
-  walks from that row, once every interval (docs/performance.md).
+  claimed since the last one (a second's worth), unless a row held back for long keeps it:
+  then that look walks from that row, once every interval (docs/performance.md);
+- except a **parked** row: one without an ordering key that waits for its retry or is due
+  over 2 s from now (a producer's available_at). No key's head read looks for it, and
+  retries are claimed by their available_at, not from the mark: the floor passes it. Once
+  the first of those not due is due, the look from the floor goes back below the lowest of
+  them (at the first look after its time, so at most an interval late, as before). A scheduled
+  event held back for a day, or a poison row between its retries, then costs the looks
+  nothing. A keyed row held back (not due, its key dead-lettered, a retry) still keeps the
+  floor: the head reads of its key must see it. What else could bring a parked row back
+  below the floor (a producer's UPDATE making it due, or keyed) is seen by the stats
+  passes' full pass, at most a minute later (``lower_floor``).
 
 A new session (connect) starts both at 0: its first claim looks from the start.
 
@@ -91,6 +100,8 @@ class ClaimMarks:
         # A floor asked for by another thread (lower_floor), applied by the next start().
         self._lowered: int | None = None
         self._lowered_lock = threading.Lock()
+        # Parked rows the floor passed: (the lowest id, the clock() time the first is due).
+        self._parked: tuple[int, float] | None = None
 
     def restart(self) -> None:
         """A new claim session: the next claim looks from the start."""
@@ -98,6 +109,7 @@ class ClaimMarks:
         self._pending.clear()
         self._next_full = self._clock()
         self._unread = self._read_rows
+        self._parked = None
 
     def rewind(self) -> None:
         """Rows of ours came back (rolled back, abandoned): the next claim looks from the floor."""
@@ -114,6 +126,10 @@ class ClaimMarks:
         if lowered is not None:  # a full stats pass saw a row at or below the floor
             self.floor = min(self.floor, lowered)
         full = now >= self._next_full or lowered is not None
+        if full and self._parked is not None and now >= self._parked[1]:
+            # A parked row is due: this look starts below the lowest (and finds the others).
+            self.floor = min(self.floor, self._parked[0] - 1)
+            self._parked = None
         if full:
             self.rewind()
             self._next_full = now + self._interval
@@ -141,10 +157,19 @@ class ClaimMarks:
 
     def observe(self, *, after: int, full: bool, writers: Iterable[str],
                 writers_after: Iterable[str], claimed: Iterable[tuple[int, bool]],
-                waiting: int | None, first: int | None) -> None:
+                waiting: int | None, first: int | None,
+                parked: tuple[int, float] | None = None) -> None:
         """What the claim that started after ``after`` saw: the writers read before its
         snapshot and after it (before its frontier's), the (id, fresh) of each row it claimed,
-        and its frontier (sql/queries.sql, claim_frontier)."""
+        and its frontier (sql/queries.sql, claim_frontier): ``first`` is the first row that is
+        not parked, ``parked`` the lowest id of the parked rows below it that are not due and
+        the seconds until the first of them is."""
+        if full and parked is not None:
+            low, due_in = parked
+            due_at = self._clock() + max(due_in, 0.0)
+            if self._parked is not None:
+                low, due_at = min(low, self._parked[0]), min(due_at, self._parked[1])
+            self._parked = (low, due_at)
         current = frozenset(writers)
         while self._pending and not self._pending[0].writers & current:
             self._apply(self._pending.popleft())

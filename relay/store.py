@@ -370,7 +370,9 @@ class OutboxStore:
             self.marks.observe(after=after, full=full, writers=writers_row[0],
                                writers_after=writers_after_row[0],
                                claimed=[(r.id, r.attempts <= 0) for r in rows],
-                               waiting=frontier_row[0], first=frontier_row[1])
+                               waiting=frontier_row[0], first=frontier_row[1],
+                               parked=None if frontier_row[2] is None
+                               else (frontier_row[2], frontier_row[3]))
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:

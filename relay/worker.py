@@ -721,20 +721,22 @@ class Relay(Loop):
 
     def _stats_pass(self) -> None:
         """One stats pass, on the stats thread: the backlog and lag gauges, whether rows never
-        due wait, and the claims' safety net: a full pass that sees a row at or below the claim
-        marks' floor (it came back there after the floor moved) has the next claim look from
-        below it (ClaimMarks.lower_floor)."""
+        due wait, and the claims' safety net: a full pass that sees a row that is not parked
+        at or below the claim marks' floor (it came back there after the floor moved, or a
+        producer made a parked row due) has the next claim look from below it
+        (ClaimMarks.lower_floor)."""
         source = self._stats_session.get()
         after, full = self._stats_floor.start()
         stats = source.stats(after)
-        self._stats_floor.observe(full=full, lowest=stats.lowest)
-        self.metrics.backlog.set(stats.backlog)
+        self._stats_floor.observe(full=full, lowest=stats.lowest, parked=stats.parked_below)
+        self.metrics.backlog.set(self._stats_floor.backlog(stats.backlog, full=full))
         self.metrics.lag.set(stats.lag)
         if stats.never_due:
             self._never_due.set()
         marks = self.store.marks
-        if full and stats.lowest is not None and stats.lowest <= marks.floor:
-            marks.lower_floor(stats.lowest - 1)
+        lowest = stats.lowest_unparked  # a parked row may lie below the floor (relay/marks.py)
+        if full and lowest is not None and lowest <= marks.floor:
+            marks.lower_floor(lowest - 1)
 
     def _dead_letter_never_due(self) -> None:
         """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved

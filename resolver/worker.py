@@ -281,9 +281,9 @@ class Resolver(Loop):
             self.metrics.lag.set(math.nan)
             self.metrics.blocked_keys.set(math.nan)
             return
-        self._stats_floor.observe(full=full, lowest=stats.lowest)
+        self._stats_floor.observe(full=full, lowest=stats.lowest, parked=stats.parked_below)
         self._stats_failing = False
-        self.metrics.backlog.set(stats.backlog)
+        self.metrics.backlog.set(self._stats_floor.backlog(stats.backlog, full=full))
         self.metrics.lag.set(stats.lag)
         self.metrics.blocked_keys.set(blocked)
         sizes = source.sizes()

@@ -280,13 +280,40 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 -- relay's marks may move (store.py, ClaimMarks). waiting: the first row after %(after)s that
 -- a claim would take if no one held it (due, fresh, its key's head fresh and due, no dead
 -- letter of its key): rows of a batch in flight or in doubt, of a claim made ahead, of a key
--- held by a batch in flight; the mark stays below it. first, only when %(full)s (an InitPlan
--- runs only if its CASE branch is taken): the first row after %(after)s at all, due or not,
--- held back for long or not, waiting for its retry or not (it may be a key's head: the head
--- reads start at the floor), or the id a keyed dead letter gets back when it is requeued
--- (dead_letter_requeue), whichever is lower; the floor stays below it. Both walk the primary
--- key from %(after)s, the range the claim walked (and first reads the dead-letter table, once
--- a full look).
+-- held by a batch in flight; the mark stays below it. Only when %(full)s (the CTEs' one-time
+-- filters and the CASE branch run nothing otherwise):
+-- - first: the first row after %(after)s that is not parked, due or not, held back for long
+--   or not, waiting for its retry or not (it may be a key's head: the head reads start at the
+--   floor), or the id a keyed dead letter gets back when it is requeued (dead_letter_requeue),
+--   whichever is lower; the floor stays below it.
+-- - parked: a row without an ordering key that waits for its retry or is due over 2 s from
+--   now (a producer's available_at; a row committed just after this transaction began has a
+--   later now() of its own: not parked, it is claimed at once). No head read looks for it,
+--   and a retry is claimed by available_at (outbox_retry_idx), never from the mark: the
+--   floor may pass it, so that one scheduled for tomorrow does not have every look from the
+--   floor walk the dead entries a held snapshot keeps behind it (relay/marks.py).
+--   parked_low, parked_due_in: the lowest id of the parked rows between %(after)s and first
+--   that are not retries, and the seconds until the first of them is due: the relay looks
+--   from below the lowest again once one is.
+-- Each walks the primary key from %(after)s, the range the claim walked (parked twice, up to
+-- first, and only while rows it counts lie there; first reads the dead-letter table, once a
+-- full look). The arithmetic is in float8: 'infinity' is +Infinity, never an error.
+WITH unparked AS MATERIALIZED (
+    SELECT o.id FROM {outbox} AS o
+    WHERE %(full)s AND o.id > %(after)s
+      AND NOT (o.ordering_key IS NULL
+               AND (o.attempts > 0 OR o.available_at > now() + interval '2 s'))
+    ORDER BY o.id LIMIT 1
+), parked AS MATERIALIZED (
+    SELECT min(o.id) AS low,
+           min(extract(epoch FROM o.available_at)::float8) - extract(epoch FROM now())::float8
+               AS due_in
+    FROM {outbox} AS o
+    WHERE %(full)s AND o.id > %(after)s
+      AND o.id < coalesce((SELECT id FROM unparked), 9223372036854775807)
+      AND o.ordering_key IS NULL AND o.attempts <= 0
+      AND o.available_at > now() + interval '2 s'
+)
 SELECT (SELECT o.id FROM {outbox} AS o
         WHERE o.id > %(after)s AND o.attempts <= 0 AND o.available_at <= now()
           AND (o.ordering_key IS NULL
@@ -299,11 +326,11 @@ SELECT (SELECT o.id FROM {outbox} AS o
                                    WHERE d.ordering_key = o.ordering_key)))
         ORDER BY o.id LIMIT 1) AS waiting,
        CASE WHEN %(full)s THEN
-           least((SELECT o.id FROM {outbox} AS o
-                  WHERE o.id > %(after)s
-                  ORDER BY o.id LIMIT 1),
+           least((SELECT id FROM unparked),
                  (SELECT min(d.outbox_id) FROM {dead_letter} AS d
-                  WHERE d.ordering_key IS NOT NULL AND d.outbox_id > %(after)s)) END AS first;
+                  WHERE d.ordering_key IS NOT NULL AND d.outbox_id > %(after)s)) END AS first,
+       (SELECT low FROM parked) AS parked_low,
+       (SELECT due_in FROM parked) AS parked_due_in;
 
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
@@ -403,6 +430,15 @@ RETURNING outbox_id;
 --   older row of its key (per-key order) is late too: its consumers wait for it.
 -- - never_due: rows delayed to the year 10000 or later ('infinity' included): the relay moves
 --   them to the dead-letter table (dead_letter_never_due).
+-- - lowest_unparked: the lowest id of a row that is not parked (claim_frontier): a relay
+--   whose claims' floor is at or above it has its next claim look from below it (a row
+--   that came back below the floor, or a parked one a producer made due or keyed since).
+-- - lowest_due, highest: the lowest id of a row that is not a fresh one delayed over 2 s
+--   (before the year 10000: those go to the dead-letter table), and the highest id.
+--   The next passes may start past the delayed rows below lowest_due (all of them when
+--   it is NULL), which the full pass counts for them (outbox_relay/postgres.py,
+--   outbox_stats): a scheduled event held back for a day would otherwise have every pass
+--   walk the dead entries a held snapshot keeps behind it.
 -- Per row, 1,458 instructions of PostgreSQL 15 where the backlog and lag alone took 1,155
 -- (callgrind, docs/operations.md). created_at and available_at are a producer's columns: an
 -- 'infinity' created_at is left out and the arithmetic is in float8, so no value can make
@@ -416,7 +452,14 @@ SELECT count(*) AS backlog,
                          0),
                 0) AS lag_seconds,
        count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due,
-       min(id) AS lowest
+       min(id) AS lowest,
+       min(id) FILTER (WHERE NOT (ordering_key IS NULL
+                                  AND (attempts > 0
+                                       OR available_at > now() + interval '2 s')))
+           AS lowest_unparked,
+       min(id) FILTER (WHERE attempts > 0 OR available_at <= now() + interval '2 s'
+                             OR available_at >= '10000-01-01 00:00:00+00') AS lowest_due,
+       max(id) AS highest
 FROM {outbox}
 WHERE id > %(after)s;
 

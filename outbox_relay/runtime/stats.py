@@ -10,7 +10,11 @@ only moves forward; each pass then walks about what was published since the last
 also finds the rows that appeared below the floor after it moved (a producer's late commit of
 an older id, a requeued dead letter that gets its old id back, a row restored with an explicit
 id), and sets the floor from what it saw (lower, if need be). Between two such passes the
-backlog and lag leave those rows out.
+backlog and lag leave those rows out. A full pass also puts the floor past the rows delayed to
+a later time below the first other row (a scheduled event due tomorrow would keep it there,
+and every pass would walk the dead entries behind it): the passes until the next full one add
+the full pass's count of them to the backlog, and see one that came due (its lag) at the next
+full pass.
 
 The passes run on a daemon thread with a session of their own (``StatsPasses``), so a slow
 pass never delays a batch or a resolution; the thread sets the gauges itself (prometheus-client
@@ -48,6 +52,7 @@ class StatsFloor:
         self._clock = clock
         self.floor = 0
         self._last_full: float | None = None  # when the last full pass ran (None: never)
+        self.parked = 0  # delayed rows below the floor, as the last full pass counted them
 
     def start(self) -> tuple[int, bool]:
         """(after, full) for the pass about to run: it counts the rows with ids above
@@ -57,15 +62,22 @@ class StatsFloor:
             return 0, True
         return self.floor, False
 
-    def observe(self, *, full: bool, lowest: int | None) -> None:
-        """What the pass that ``start`` set up saw: the lowest id (None: no row). A full pass
-        sets the floor (lower too); another one only moves it forward."""
+    def observe(self, *, full: bool, lowest: int | None, parked: int = 0) -> None:
+        """What the pass that ``start`` set up saw: the lowest id (None: no row) and, for a
+        full pass, the delayed rows below it (OutboxStats.parked_below). A full pass sets the
+        floor (lower too); another one only moves it forward."""
         if full:
             self._last_full = self._clock()
+            self.parked = parked
             if lowest is not None:
                 self.floor = lowest - 1
         elif lowest is not None:
             self.floor = max(self.floor, lowest - 1)
+
+    def backlog(self, counted: int, *, full: bool) -> int:
+        """The backlog to export: a pass's count, plus the delayed rows below the floor for a
+        pass that started there."""
+        return counted if full else counted + self.parked
 
 
 class StatsPasses:

@@ -18,6 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from outbox_relay.postgres import outbox_stats
 from outbox_relay.relay import dead_letter
 from outbox_relay.relay.marks import MARK_READ_ROWS, ClaimMarks
 from outbox_relay.relay.store import OutboxStore
@@ -184,15 +185,83 @@ def test_our_rolled_back_batch_and_abandoned_claim_are_claimed_again(
 
 def test_a_delayed_row_is_claimed_once_due(
         env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """Without an ordering key it is parked: below the floor too (the looks from the floor
+    do not walk from it), until the first look after its time."""
     relay = stores(SHORT)
     with env.connect() as conn:
-        delayed = add(conn, env, "delayed", due_in=1.0)
+        inserted = time.monotonic()
+        soon = add(conn, env, "soon", due_in=1.0)  # due within 2 s: not parked
+        delayed = add(conn, env, "delayed", due_in=5.0)
         add(conn, env, "now")
         assert claim(relay, env) == ["now"]
         assert relay.marks.mark >= delayed  # stepped over: below the mark now
-        assert relay.marks.floor < delayed  # and above the floor
-        took = claim_until(relay, env, {"delayed"}, seconds=5.0)
-        assert took < 1.0 + SHORT + 0.5  # due after 1 s, found by the next full look
+        assert relay.marks.floor == soon - 1  # the floor stays below the first
+        claim_until(relay, env, {"soon"}, seconds=5.0)
+        assert time.monotonic() - inserted < 1.0 + SHORT + 0.5  # found by the next full look
+        time.sleep(SHORT)
+        add(conn, env, "next")  # a look that takes nothing moves nothing
+        assert claim(relay, env) == ["next"]
+        assert relay.marks.floor >= delayed  # past the parked one
+        claim_until(relay, env, {"delayed"}, seconds=8.0)
+        assert time.monotonic() - inserted < 5.0 + SHORT + 0.5  # below the floor then
+
+
+def test_a_delayed_keyed_row_keeps_the_floor(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """The head reads of its key start at the floor: they must see it."""
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        delayed = add(conn, env, "k1", key="k", due_in=1.0)
+        second = add(conn, env, "k2", key="k")
+        add(conn, env, "now")
+        assert claim(relay, env) == ["now"]
+        assert relay.marks.mark >= second and relay.marks.floor < delayed
+        time.sleep(SHORT)
+        assert claim(relay, env) == []  # k2 waits for its head, which is not due
+        claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
+
+
+def test_a_keyless_retry_below_the_floor_is_claimed_when_due(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """A retry is claimed by its available_at (outbox_retry_idx), not from the mark."""
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        retry = add(conn, env, "retry", attempts=1, due_in=1.0)
+        add(conn, env, "now")
+        assert claim(relay, env) == ["now"]
+        assert relay.marks.floor >= retry
+        took = claim_until(relay, env, {"retry"}, seconds=5.0)
+        assert took < 1.0 + 0.5
+
+
+def test_a_parked_row_made_due_is_seen_by_the_stats_full_pass(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """A producer's UPDATE brings a row due tomorrow to now, or gives it a key: no look from
+    the floor passes it again, but the stats passes' full pass counts it in lowest_unparked,
+    and the relay lowers the floor below it (worker.py, _stats_pass)."""
+    relay = stores(SHORT)
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        tomorrow = add(conn, env, "tomorrow", due_in=86400.0)
+        keyed_later = add(conn, env, "keyed-later", due_in=86400.0)
+        add(conn, env, "retry", attempts=1, due_in=86400.0)
+        add(conn, env, "now")
+        assert claim(relay, env) == ["now"]
+        time.sleep(SHORT)
+        assert claim(relay, env) == []
+        assert relay.marks.floor >= keyed_later + 1
+        assert outbox_stats(conn, tables).lowest_unparked is None  # all three parked
+        conn.execute(sql.SQL("UPDATE {} SET available_at = now() WHERE id = %s").format(
+            tables.outbox), (tomorrow,))
+        conn.execute(sql.SQL("UPDATE {} SET ordering_key = 'k' WHERE id = %s").format(
+            tables.outbox), (keyed_later,))
+        stats = outbox_stats(conn, tables)
+        assert (stats.lowest, stats.lowest_unparked) == (tomorrow, tomorrow)
+        time.sleep(SHORT)
+        assert claim(relay, env) == []  # the looks from the floor do not see it
+        relay.marks.lower_floor(stats.lowest_unparked - 1)
+        assert claim(relay, env) == ["tomorrow"]
+        assert outbox_stats(conn, tables).lowest_unparked == keyed_later
 
 
 def test_a_key_held_by_another_relays_batch_is_claimed_once_it_commits(

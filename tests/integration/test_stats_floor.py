@@ -122,6 +122,42 @@ def test_a_pass_from_the_floor_counts_as_the_full_one_and_a_full_one_finds_a_low
     assert {d.message_id for d in delivered} >= {"low"}
 
 
+def test_a_full_pass_puts_the_floor_past_the_rows_delayed_below_the_others(env: Env) -> None:
+    """A scheduled event due tomorrow (its key or none) would keep the stats' floor below
+    it, and every pass would walk from it (the dead entries a held snapshot keeps): the full
+    pass gives the first other row as its lowest and counts the delayed ones below it."""
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        def add(name: str, *, due_in: float = 0.0, attempts: int = 0,
+                key: str | None = None) -> int:
+            row = conn.execute(sql.SQL(
+                "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at,"
+                " attempts) VALUES (%s, 'k', %s, '{{}}', now() + make_interval(secs => %s), %s)"
+                " RETURNING id").format(tables.outbox), (name, key, due_in, attempts)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        add("tomorrow", due_in=86400)
+        add("keyed-tomorrow", due_in=86400, key="k")
+        never = add("never", due_in=1e12)  # the year 10000 and later: dead-lettered, counted
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.backlog, full.lowest, full.parked_below, full.never_due) == (3, never, 2, 1)
+        conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(tables.outbox), (never,))
+        retry = add("retry", due_in=86400, attempts=1)  # a retry is late: never passed
+        due = add("due")
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.backlog, full.lowest, full.parked_below) == (4, retry, 2)
+        conn.execute(sql.SQL("DELETE FROM {} WHERE id IN (%s, %s)").format(tables.outbox),
+                     (retry, due))
+        last = add("later", due_in=3600)
+        full = postgres.outbox_stats(conn, tables)  # all delayed: past the last
+        assert (full.backlog, full.lowest, full.parked_below) == (3, last + 1, 3)
+        assert postgres.outbox_stats(conn, tables, last).backlog == 0
+        conn.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.backlog, full.lowest, full.parked_below) == (0, None, 0)
+
+
 def stats_backends(env: Env, name: str) -> int:
     with env.connect() as conn:
         row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",

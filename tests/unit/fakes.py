@@ -635,7 +635,8 @@ class FakeStatsSession(_Scripted):
         never_due = sum(1 for row in store.rows.values()
                         if row.id > after and row.available_at == float("inf"))
         self._raise(fault)
-        return OutboxStats(len(ids), store.lag, never_due, min(ids, default=None))
+        lowest = min(ids, default=None)
+        return OutboxStats(len(ids), store.lag, never_due, lowest, lowest)
 
 
 # -- the resolver's servers -----------------------------------------------------------------------

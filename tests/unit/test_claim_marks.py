@@ -232,3 +232,63 @@ def test_at_the_floor_with_a_candidate_waiting_the_next_claim_reads() -> None:
                   claimed=[(6, True)], waiting=None, first=None)
     assert (marks.mark, marks.floor) == (5, 4)  # the first candidate applied
     assert not marks.reads(marks.start()[1])  # above the floor: back to the cadence
+
+
+def test_the_floor_passes_a_parked_row_and_comes_back_below_it_once_due() -> None:
+    """Row 3 has no ordering key and is due in 10 s (a scheduled event): the floor passes it,
+    so the looks until then do not walk from it, and the first look after its time starts
+    below it."""
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    assert marks.start() == (0, True)
+    marks.observe(after=0, full=True, writers=[], writers_after=[],
+                  claimed=[(5, True), (6, True)], waiting=None, first=None,
+                  parked=(3, 10.0))
+    assert (marks.mark, marks.floor) == (6, 4)  # below our rows in flight only
+    clock.now += 1.0
+    assert marks.start() == (4, True)
+    marks.observe(after=4, full=True, writers=[], writers_after=[], claimed=[(7, True)],
+                  waiting=None, first=None)
+    assert marks.floor == 6
+    clock.now += 8.5  # 9.5 s: not due yet
+    assert marks.start() == (6, True)
+    marks.observe(after=6, full=True, writers=[], writers_after=[], claimed=[(8, True)],
+                  waiting=None, first=None)
+    clock.now += 0.4  # due at 10 s, but no look is due before 10.5 s
+    assert marks.start() == (8, False)
+    clock.now += 0.6
+    assert marks.start() == (2, True)  # below it: the look finds it
+    clock.now += 1.0
+    assert marks.start() == (2, True)  # told nothing since: it stays there
+
+
+def test_parked_rows_seen_by_several_looks_keep_the_lowest_and_the_earliest() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(20, True)],
+                  waiting=None, first=None, parked=(10, 100.0))
+    clock.now += 1.0
+    marks.start()
+    marks.observe(after=19, full=True, writers=[], writers_after=[], claimed=[(30, True)],
+                  waiting=None, first=None, parked=(25, 5.0))
+    marks.observe(after=29, full=False, writers=[], writers_after=[], claimed=[(31, True)],
+                  waiting=None, first=None, parked=(26, 0.0))  # only a full look's counts
+    clock.now += 4.0
+    assert marks.start() == (29, True)  # 4 s after the second look: none is due
+    clock.now += 1.0
+    assert marks.start() == (9, True)  # 25 is due: from below the lowest, 10
+
+
+def test_a_new_session_forgets_the_parked_rows() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(20, True)],
+                  waiting=None, first=None, parked=(10, 0.5))
+    marks.restart()  # its first claim looks from the start anyway
+    assert marks.start() == (0, True)
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(21, True)],
+                  waiting=None, first=None)
+    clock.now += 1.0
+    assert marks.start() == (20, True)

@@ -48,6 +48,18 @@ def test_the_first_pass_is_full_then_bounded_from_the_lowest_id_seen() -> None:
     assert floor.start() == (899, False)
 
 
+def test_the_delayed_rows_below_a_full_passs_floor_stay_in_the_backlog() -> None:
+    floor = StatsFloor(clock=Clock())
+    floor.start()
+    floor.observe(full=True, lowest=501, parked=3)  # 3 rows due tomorrow below 501
+    assert floor.backlog(40, full=True) == 40  # the full pass counted them
+    assert floor.start() == (500, False)
+    floor.observe(full=False, lowest=520)
+    assert floor.backlog(20, full=False) == 23
+    floor.observe(full=True, lowest=530)
+    assert floor.backlog(10, full=False) == 10  # the next full pass found none
+
+
 def test_the_floor_moves_only_forward_between_full_passes() -> None:
     clock = Clock()
     floor = StatsFloor(clock=clock)

@@ -85,7 +85,13 @@
 -- the key (an equality let the planner drop the key from the ORDER BY and read the head through
 -- the primary key in id order, filtered by key: from the floor on, or, given a plain
 -- id > floor, every row above it once per keyed row: 5,000 to 208,000 buffers a claim in the
--- generic plans of test_plans.py).
+-- generic plans of test_plans.py). The count of a key's rows between its first and last row
+-- in the batch (once locked, below) reads that index the same way: written with an equality
+-- on the key and id BETWEEN, a generic plan built on a drained outbox whose statistics still
+-- described a keyed backlog walked the primary key from the first to the last id, filtered
+-- by key, once per such key: 111,000 buffers a claim; 4 relays with 10,000 keys relayed 8,300
+-- events/s, 21,000 once it read that index (benchmarks/NOTEBOOK.md; test_plans.py has the
+-- state).
 -- Dead index entries that VACUUM may not remove yet (a snapshot held elsewhere keeps every row
 -- deleted after it) pile up in front of the due rows; a look from the start of the primary key
 -- walked all of them at every claim (p99 13 -> 85 ms over 10 minutes of a held snapshot at 500
@@ -154,8 +160,11 @@ WITH live AS MATERIALIZED (
                                  CASE WHEN ordering_key IS NOT NULL AND id = first_of_key
                                            AND key_rows > 1 THEN
                                      (SELECT count(*) FROM {outbox} AS h
-                                      WHERE h.ordering_key = keyed.ordering_key
-                                        AND h.id BETWEEN keyed.first_of_key AND keyed.last_of_key)
+                                      WHERE h.ordering_key IS NOT NULL
+                                        AND (h.ordering_key, h.id)
+                                            >= (keyed.ordering_key, keyed.first_of_key)
+                                        AND (h.ordering_key, h.id)
+                                            <= (keyed.ordering_key, keyed.last_of_key))
                                      = key_rows
                                  END AS gapless
                           FROM (SELECT id, tid, ordering_key, head_id,

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 import psycopg
@@ -320,6 +321,14 @@ def warn_key_readers(conn: psycopg.Connection[Any], tables: Tables) -> None:
         extra={"action": "ledger_key_readable", "roles": roles, "public": public})
 
 
+# A row without an ordering key due over this long after now() (a scheduled event) or waiting
+# for its retry is "parked": the claims' floor (claim_frontier, relay/marks.py) and the stats
+# passes' (stats, outbox_stats) pass it. One value for both: the stats' lowest_unparked must
+# use the frontier's predicate, or the relay's stats pass would lower the claims' floor under
+# a parked row at every full pass. Longer than a claim's transaction may run before it reads
+# now(): a row committed just after a claim began is due at a later now() than the claim's.
+PARK_HORIZON = timedelta(seconds=2)
+
 # The bounded stats pass (a lower bound above 0) walks the primary key from its floor: every
 # live row is above that floor, so the planner, counting on its statistics, would read the
 # whole table instead (and with it every dead tuple a held snapshot keeps). Sequential scans
@@ -344,12 +353,13 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
     if after > 0:
         with conn.transaction():
             conn.execute(BOUNDED_STATS_SETUP)
-            row = conn.execute(query, {"after": after}).fetchone()
+            row = conn.execute(query, {"after": after,
+                                       "park_horizon": PARK_HORIZON}).fetchone()
         assert row is not None
         return _stats_row(row)
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        row = conn.execute(query, {"after": 0}).fetchone()
+        row = conn.execute(query, {"after": 0, "park_horizon": PARK_HORIZON}).fetchone()
         assert row is not None
         stats = _stats_row(row)
         lowest_due, highest = _optional(row[5]), _optional(row[6])
@@ -358,7 +368,8 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         if stats.lowest is None or start is None or start <= stats.lowest:
             return stats
         conn.execute(BOUNDED_STATS_SETUP)
-        above = conn.execute(query, {"after": start - 1}).fetchone()
+        above = conn.execute(query, {"after": start - 1,
+                                     "park_horizon": PARK_HORIZON}).fetchone()
         assert above is not None
         return dataclasses.replace(stats, lowest=start,
                                    parked_below=stats.backlog - int(above[0]))

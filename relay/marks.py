@@ -37,15 +37,15 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   claimed since the last one (a second's worth), unless a row held back for long keeps it:
   then that look walks from that row, once every interval (docs/performance.md);
 - except a **parked** row: one without an ordering key that waits for its retry or is due
-  over 2 s from now (a producer's available_at). No key's head read looks for it, and
-  retries are claimed by their available_at, not from the mark: the floor passes it. Once
-  the first of those not due is due, the look from the floor goes back below the lowest of
-  them (at the first look after its time, so at most an interval late, as before). A scheduled
-  event held back for a day, or a poison row between its retries, then costs the looks
-  nothing. A keyed row held back (not due, its key dead-lettered, a retry) still keeps the
-  floor: the head reads of its key must see it. What else could bring a parked row back
-  below the floor (a producer's UPDATE making it due, or keyed) is seen by the stats
-  passes' full pass, at most a minute later (``lower_floor``).
+  over 2 s from now (a producer's available_at; postgres.PARK_HORIZON). No key's head read
+  looks for it, and retries are claimed by their available_at, not from the mark: the floor
+  passes it. Once the first of those not due is due, the look from the floor goes back
+  below the lowest of them (at the first look after its time, so at most an interval late,
+  as before). A scheduled event held back for a day, or a poison row between its retries,
+  then costs the looks nothing. A keyed row held back (not due, its key dead-lettered, a
+  retry) still keeps the floor: the head reads of its key must see it. What else could
+  bring a parked row back below the floor (a producer's UPDATE making it due, or keyed) is
+  seen by the stats passes' full pass, at most a minute later (``lower_floor``).
 
 A new session (connect) starts both at 0: its first claim looks from the start.
 

@@ -22,6 +22,7 @@ from psycopg.types.json import Jsonb
 from outbox_relay.errors import StandbyWaitTimeout, StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
+    PARK_HORIZON,
     StatsSession,
     check_create,
     check_server,
@@ -334,7 +335,8 @@ class OutboxStore:
                 if reads:
                     after_claim = conn.execute(self._claim_writers, prepare=False)
                     frontier = conn.execute(self._claim_frontier, {
-                        "after": after, "floor": floor, "full": full}, prepare=False)
+                        "after": after, "floor": floor, "full": full,
+                        "park_horizon": PARK_HORIZON}, prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
                 read = None

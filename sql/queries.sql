@@ -295,12 +295,14 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 --   or not, waiting for its retry or not (it may be a key's head: the head reads start at the
 --   floor), or the id a keyed dead letter gets back when it is requeued (dead_letter_requeue),
 --   whichever is lower; the floor stays below it.
--- - parked: a row without an ordering key that waits for its retry or is due over 2 s from
---   now (a producer's available_at; a row committed just after this transaction began has a
---   later now() of its own: not parked, it is claimed at once). No head read looks for it,
---   and a retry is claimed by available_at (outbox_retry_idx), never from the mark: the
---   floor may pass it, so that one scheduled for tomorrow does not have every look from the
---   floor walk the dead entries a held snapshot keeps behind it (relay/marks.py).
+-- - parked: a row without an ordering key that waits for its retry or is due over
+--   %(park_horizon)s from now (a producer's available_at; PARK_HORIZON, 2 s, in
+--   outbox_relay/postgres.py, which the stats' lowest_unparked uses too; a row committed just
+--   after this transaction began has a later now() of its own: not parked, it is claimed at
+--   once). No head read looks for it, and a retry is claimed by available_at
+--   (outbox_retry_idx), never from the mark: the floor may pass it, so that one scheduled for
+--   tomorrow does not have every look from the floor walk the dead entries a held snapshot
+--   keeps behind it (relay/marks.py).
 --   parked_low, parked_due_in: the lowest id of the parked rows between %(after)s and first
 --   that are not retries, and the seconds until the first of them is due: the relay looks
 --   from below the lowest again once one is.
@@ -311,7 +313,7 @@ WITH unparked AS MATERIALIZED (
     SELECT o.id FROM {outbox} AS o
     WHERE %(full)s AND o.id > %(after)s
       AND NOT (o.ordering_key IS NULL
-               AND (o.attempts > 0 OR o.available_at > now() + interval '2 s'))
+               AND (o.attempts > 0 OR o.available_at > now() + %(park_horizon)s::interval))
     ORDER BY o.id LIMIT 1
 ), parked AS MATERIALIZED (
     SELECT min(o.id) AS low,
@@ -321,7 +323,7 @@ WITH unparked AS MATERIALIZED (
     WHERE %(full)s AND o.id > %(after)s
       AND o.id < coalesce((SELECT id FROM unparked), 9223372036854775807)
       AND o.ordering_key IS NULL AND o.attempts <= 0
-      AND o.available_at > now() + interval '2 s'
+      AND o.available_at > now() + %(park_horizon)s::interval
 )
 SELECT (SELECT o.id FROM {outbox} AS o
         WHERE o.id > %(after)s AND o.attempts <= 0 AND o.available_at <= now()
@@ -442,8 +444,9 @@ RETURNING outbox_id;
 -- - lowest_unparked: the lowest id of a row that is not parked (claim_frontier): a relay
 --   whose claims' floor is at or above it has its next claim look from below it (a row
 --   that came back below the floor, or a parked one a producer made due or keyed since).
--- - lowest_due, highest: the lowest id of a row that is not a fresh one delayed over 2 s
---   (before the year 10000: those go to the dead-letter table), and the highest id.
+-- - lowest_due, highest: the lowest id of a row that is not a fresh one delayed over
+--   %(park_horizon)s (before the year 10000: those go to the dead-letter table), and the
+--   highest id.
 --   The next passes may start past the delayed rows below lowest_due (all of them when
 --   it is NULL), which the full pass counts for them (outbox_relay/postgres.py,
 --   outbox_stats): a scheduled event held back for a day would otherwise have every pass
@@ -464,9 +467,9 @@ SELECT count(*) AS backlog,
        min(id) AS lowest,
        min(id) FILTER (WHERE NOT (ordering_key IS NULL
                                   AND (attempts > 0
-                                       OR available_at > now() + interval '2 s')))
+                                       OR available_at > now() + %(park_horizon)s::interval)))
            AS lowest_unparked,
-       min(id) FILTER (WHERE attempts > 0 OR available_at <= now() + interval '2 s'
+       min(id) FILTER (WHERE attempts > 0 OR available_at <= now() + %(park_horizon)s::interval
                              OR available_at >= '10000-01-01 00:00:00+00') AS lowest_due,
        max(id) AS highest
 FROM {outbox}

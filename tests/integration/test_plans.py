@@ -33,6 +33,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from outbox_relay.postgres import PARK_HORIZON
 from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay import store
 from outbox_relay.relay.store import OutboxStore
@@ -119,7 +120,8 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
                             "errors": Jsonb({str(i): "nacked" for i in fresh_ids}),
                             "base_delay": 1.0, "max_delay": 60.0},
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
-        "stats": {"after": 0},  # the full pass; the bounded one: test_stats_floor.py
+        # The full pass; the bounded one: test_stats_floor.py.
+        "stats": {"after": 0, "park_horizon": PARK_HORIZON},
     }
 
 
@@ -467,11 +469,12 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claim = Statement(claim_conn, tables, "claim")
         frontier = Statement(claim_conn, tables, "claim_frontier")
         claim.build_plan(CLAIM)
-        frontier.build_plan({"after": 0, "floor": 0, "full": False})
+        frontier.build_plan({"after": 0, "floor": 0, "full": False,
+                             "park_horizon": PARK_HORIZON})
 
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
-        at = {"after": mark, "floor": mark}
+        at = {"after": mark, "floor": mark, "park_horizon": PARK_HORIZON}
         alone = {"claim": buffers(claim.explain({**CLAIM, **at}, buffers=True)),
                  "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True))}
 
@@ -488,7 +491,7 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         assert pages is not None
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
-        at = {"after": mark, "floor": mark}
+        at = {"after": mark, "floor": mark, "park_horizon": PARK_HORIZON}
 
         claimed = claim.explain({**CLAIM, **at}, buffers=True)
         assert rows_in(claimed["Plan"]) == BATCH

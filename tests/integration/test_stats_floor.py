@@ -83,7 +83,7 @@ def test_a_pass_from_the_floor_counts_as_the_full_one_and_a_full_one_finds_a_low
             session.session.execute(postgres.BOUNDED_STATS_SETUP)
             plan = session.session.execute(
                 sql.SQL("EXPLAIN (FORMAT JSON) ") + session.tables.query("stats"),
-                {"after": floor}).fetchone()
+                {"after": floor, "park_horizon": postgres.PARK_HORIZON}).fetchone()
         assert plan is not None and "Seq Scan" not in str(plan[0]), plan
 
         time.sleep(LOOK)  # the next claim is a full look: the claims' floor moves up to 50

@@ -20,7 +20,12 @@ settings, except for a snapshot shorter than two minutes (the suite's short form
 counts a hold from half the snapshot and compacts from 0.25 MiB (``resolver_settings``).
 With ``delayed_row`` (``--delayed-row``), a scheduled event due in a day, without an ordering
 key, is inserted just before the snapshot and stays in the outbox until the run deletes it at
-its end: a row held back for long, below every row the relay claims meanwhile.
+its end: a row held back for long, below every row the relay claims meanwhile. With
+``blocked_key`` (``--blocked-key``), a key held back instead: two events of one ordering key,
+inserted just before the snapshot, the first with a routing key longer than AMQP allows (the
+relay moves it to the dead-letter table as it claims it), the second waiting behind that dead
+letter (per-key order) until the run deletes both at its end: a poison keyed event, as it stays
+until someone requeues or discards it.
 """
 
 from __future__ import annotations
@@ -105,8 +110,25 @@ VALUES ('bloat-delayed', %(exchange)s, %(routing)s, '{}', now() + interval '1 da
 """
 
 
+# A key held back (--blocked-key): its first event is dead-lettered, its second waits behind it.
+_BLOCKED = """
+INSERT INTO outbox (message_id, exchange, routing_key, ordering_key, payload)
+VALUES ('bloat-blocked-0', %(exchange)s, repeat('r', 300), 'bloat-blocked', '{}'),
+       ('bloat-blocked-1', %(exchange)s, %(routing)s, 'bloat-blocked', '{}')
+"""
+
+
+def _delete_blocked_key(conn: psycopg.Connection[Any]) -> bool:
+    """Delete the blocked key's two rows; True if they were where they should be: its second
+    event in the outbox, its first in the dead-letter table."""
+    waiting = conn.execute("DELETE FROM outbox WHERE ordering_key = 'bloat-blocked'").rowcount
+    dead = conn.execute("DELETE FROM outbox_dead_letter WHERE ordering_key = 'bloat-blocked'"
+                        ).rowcount
+    return (waiting, dead) == (1, 1)
+
+
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
-        bucket: float, delayed_row: bool = False) -> dict[str, Any]:
+        bucket: float, delayed_row: bool = False, blocked_key: bool = False) -> dict[str, Any]:
     reset(servers)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
@@ -115,7 +137,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     resolver = processes.resolver(servers, logdir, "bloat-resolver", **resolver_settings)
     programs = [resolver, processes.relay(servers, logdir, "bloat-relay")]
     probes: list[Probe] = []
-    delayed_left = False
+    delayed_left = blocked_left = False
     stop = threading.Event()
     prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes,
                                                    max(1.0, bucket / 6)), daemon=True)
@@ -130,6 +152,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             sizes = {"before": table_size(sizer)}
             if delayed_row:
                 sizer.execute(_DELAYED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
+            if blocked_key:
+                sizer.execute(_BLOCKED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
         with psycopg.connect(servers.db_url) as holder:
             holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM outbox").fetchone()  # the snapshot is taken
@@ -148,6 +172,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             if delayed_row:  # still there (not due): the check below wants the outbox empty
                 delayed_left = sizer.execute(
                     "DELETE FROM outbox WHERE message_id = 'bloat-delayed'").rowcount == 1
+            if blocked_key:
+                blocked_left = _delete_blocked_key(sizer)
             sizes["end"] = table_size(sizer)
     finally:
         stop.set()
@@ -159,7 +185,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
                         warm=warm, hold=hold, bucket=bucket, rate=rate)
     return {**summary, "table_size": sizes, "compact": compacted,
             "resolver_settings": resolver_settings,
-            **({"delayed_row_left_at_end": delayed_left} if delayed_row else {})}
+            **({"delayed_row_left_at_end": delayed_left} if delayed_row else {}),
+            **({"blocked_key_left_at_end": blocked_left} if blocked_key else {})}
 
 
 def resolver_compaction(resolver: processes.Program, timeout: float = 300.0) -> dict[str, Any]:

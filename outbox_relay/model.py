@@ -204,5 +204,8 @@ class OutboxStats:
     # The lowest id of a row that is not parked (sql/queries.sql, claim_frontier; None: none).
     lowest_unparked: int | None = None
     # A full pass's: rows below ``lowest`` that the next passes leave out (delayed to a later
-    # time, counted in ``backlog``); ``lowest`` is then the lowest id of the other rows.
+    # time, or waiting behind a dead letter of their key; counted in ``backlog``); ``lowest``
+    # is then the lowest id of the other rows. How late the oldest of them is (seconds,
+    # negative when none is due yet; None: none has a finite created_at).
     parked_below: int = 0
+    lag_below: float | None = None

@@ -328,6 +328,12 @@ def warn_key_readers(conn: psycopg.Connection[Any], tables: Tables) -> None:
 # a parked row at every full pass. Longer than a claim's transaction may run before it reads
 # now(): a row committed just after a claim began is due at a later now() than the claim's.
 PARK_HORIZON = timedelta(seconds=2)
+# Dead letters with an ordering key whose keys' rows the claims' floor may pass (the relay
+# holds those keys: each one's head reads start where the floor was when it was first seen
+# dead, relay/marks.py), and the bytes of their keys: every claim sends the held keys. With
+# more, the floor stays below the first of them and their keys' rows, as for every key before.
+MAX_HELD_KEYS = 100
+MAX_HELD_BYTES = 8192
 
 # The bounded stats pass (a lower bound above 0) walks the primary key from its floor: every
 # live row is above that floor, so the planner, counting on its statistics, would read the
@@ -346,20 +352,20 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
     whole table), and the lowest id seen (sql/queries.sql, stats). ``conn``: autocommit.
 
     A full pass (``after`` 0) whose lowest rows are delayed to a later time (a scheduled
-    event) gives as ``lowest`` the first other row, or past the last row: the next passes
-    start there. The delayed rows below it are counted once more, in the same snapshot, as
-    ``parked_below``: the full count less a bounded pass's from there."""
+    event) or wait behind a dead letter of their key gives as ``lowest`` the first other row,
+    or past the last row: the next passes start there. The rows below it are counted once
+    more, in the same snapshot, as ``parked_below``, with ``lag_below``, how late the oldest
+    of them is (negative: not due yet)."""
     query = tables.query("stats")
     if after > 0:
         with conn.transaction():
             conn.execute(BOUNDED_STATS_SETUP)
-            row = conn.execute(query, {"after": after,
-                                       "park_horizon": PARK_HORIZON}).fetchone()
+            row = conn.execute(query, stats_params(after)).fetchone()
         assert row is not None
         return _stats_row(row)
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        row = conn.execute(query, {"after": 0, "park_horizon": PARK_HORIZON}).fetchone()
+        row = conn.execute(query, stats_params(0)).fetchone()
         assert row is not None
         stats = _stats_row(row)
         lowest_due, highest = _optional(row[5]), _optional(row[6])
@@ -368,16 +374,21 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         if stats.lowest is None or start is None or start <= stats.lowest:
             return stats
         conn.execute(BOUNDED_STATS_SETUP)
-        above = conn.execute(query, {"after": start - 1,
-                                     "park_horizon": PARK_HORIZON}).fetchone()
-        assert above is not None
-        return dataclasses.replace(stats, lowest=start,
-                                   parked_below=stats.backlog - int(above[0]))
+        below = conn.execute(query, stats_params(0, before=start)).fetchone()
+        assert below is not None
+        return dataclasses.replace(stats, lowest=start, parked_below=int(below[0]),
+                                   lag_below=None if below[1] is None else float(below[1]))
+
+
+def stats_params(after: int, before: int = (1 << 63) - 1) -> dict[str, Any]:
+    """The stats query's parameters for the rows with ids above ``after``, below ``before``."""
+    return {"after": after, "before": before, "park_horizon": PARK_HORIZON,
+            "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES}
 
 
 def _stats_row(row: Any) -> OutboxStats:
-    return OutboxStats(int(row[0]), float(row[1]), int(row[2]), _optional(row[3]),
-                       _optional(row[4]))
+    lag = 0.0 if row[1] is None else max(float(row[1]), 0.0)
+    return OutboxStats(int(row[0]), lag, int(row[2]), _optional(row[3]), _optional(row[4]))
 
 
 class StatsSession:

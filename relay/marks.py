@@ -42,10 +42,21 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   passes it. Once the first of those not due is due, the look from the floor goes back
   below the lowest of them (at the first look after its time, so at most an interval late,
   as before). A scheduled event held back for a day, or a poison row between its retries,
-  then costs the looks nothing. A keyed row held back (not due, its key dead-lettered, a
-  retry) still keeps the floor: the head reads of its key must see it. What else could
-  bring a parked row back below the floor (a producer's UPDATE making it due, or keyed) is
-  seen by the stats passes' full pass, at most a minute later (``lower_floor``).
+  then costs the looks nothing. What else could bring a parked row back below the floor (a
+  producer's UPDATE making it due, or keyed) is seen by the stats passes' full pass, at most
+  a minute later (``lower_floor``);
+- and except the rows of a **dead key**, one with a dead letter (a poison event's: its later
+  rows wait behind it until someone requeues or discards it), and that dead letter's old id.
+  The look reads the dead letters' keys (sql/queries.sql, claim_frontier) and the relay
+  **holds** them (``held``): each key's head reads start where the floor was when the key
+  was first seen dead, below every row of it, instead of at the floor; the floor passes its
+  rows. The first look that finds a held key's dead letter gone puts the floor (and the
+  mark) back below where its head reads started, at once and for good (what waited to move
+  them past is dropped): a requeued head gets its old id back there, and goes first. Past
+  postgres.MAX_HELD_KEYS such dead letters (or MAX_HELD_BYTES of keys: every claim sends
+  them), no key is held, and the floor stays below all of them, as before. A keyed row held
+  back otherwise (not due, a retry) still keeps the floor: the head reads of its key must
+  see it.
 
 A new session (connect) starts both at 0: its first claim looks from the start.
 
@@ -63,7 +74,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 FULL_LOOK_INTERVAL = 1.0  # seconds between looks from the floor
@@ -102,6 +113,9 @@ class ClaimMarks:
         self._lowered_lock = threading.Lock()
         # Parked rows the floor passed: (the lowest id, the clock() time the first is due).
         self._parked: tuple[int, float] | None = None
+        # Keys with a dead letter, which the floor may pass, and where each one's head reads
+        # start (the claim's %(held)s): no row of the key is at or below it.
+        self.held: dict[str, int] = {}
 
     def restart(self) -> None:
         """A new claim session: the next claim looks from the start."""
@@ -110,6 +124,7 @@ class ClaimMarks:
         self._next_full = self._clock()
         self._unread = self._read_rows
         self._parked = None
+        self.held = {}
 
     def rewind(self) -> None:
         """Rows of ours came back (rolled back, abandoned): the next claim looks from the floor."""
@@ -158,12 +173,30 @@ class ClaimMarks:
     def observe(self, *, after: int, full: bool, writers: Iterable[str],
                 writers_after: Iterable[str], claimed: Iterable[tuple[int, bool]],
                 waiting: int | None, first: int | None,
-                parked: tuple[int, float] | None = None) -> None:
+                parked: tuple[int, float] | None = None,
+                dead_keys: Mapping[str, int | None] | None = None) -> None:
         """What the claim that started after ``after`` saw: the writers read before its
         snapshot and after it (before its frontier's), the (id, fresh) of each row it claimed,
         and its frontier (sql/queries.sql, claim_frontier): ``first`` is the first row that is
-        not parked, ``parked`` the lowest id of the parked rows below it that are not due and
-        the seconds until the first of them is."""
+        not parked and not of a key in ``dead_keys`` (the keys of the dead letters, each with
+        the lowest id one of them gets back when it is requeued; None: more than
+        postgres.MAX_HELD_KEYS of them, and ``first`` is below all), ``parked`` the lowest id
+        of the parked rows below it that are not due and the seconds until the first of them
+        is. A full look that is not told ``dead_keys`` holds none."""
+        freed = False
+        if full:
+            held = {} if dead_keys is None else {
+                key: min(self.held.get(key, after), after if low is None else low - 1)
+                for key, low in dead_keys.items()}
+            gone = [low for key, low in self.held.items() if key not in held]
+            self.held = held
+            if gone:
+                # A dead letter went (requeued: back at its old id; discarded): its key's rows
+                # below the floor may be taken again, the first of them first. The next claim
+                # looks from below them all; no floor or mark seen before moves past them.
+                self.floor = min(self.floor, min(gone))
+                self.rewind()
+                freed = True
         if full and parked is not None:
             low, due_in = parked
             due_at = self._clock() + max(due_in, 0.0)
@@ -174,7 +207,7 @@ class ClaimMarks:
         while self._pending and not self._pending[0].writers & current:
             self._apply(self._pending.popleft())
         rows = list(claimed)
-        if not rows:
+        if not rows or freed:
             return  # nothing seen at the claim's snapshot to move past (the module's docstring)
         ceiling = max(row_id for row_id, _fresh in rows)
         fresh = [row_id for row_id, is_fresh in rows if is_fresh]

@@ -22,6 +22,8 @@ from psycopg.types.json import Jsonb
 from outbox_relay.errors import StandbyWaitTimeout, StartupCheckError, TransientError
 from outbox_relay.model import OutboxRow
 from outbox_relay.postgres import (
+    MAX_HELD_BYTES,
+    MAX_HELD_KEYS,
     PARK_HORIZON,
     StatsSession,
     check_create,
@@ -308,6 +310,7 @@ class OutboxStore:
         after, full = self.marks.start()
         reads = self.marks.reads(full)
         floor = self.marks.floor
+        held = Jsonb(self.marks.held)
         conn.execute("BEGIN")
         lock, unlock, key = self._claim_lock
         ahead = not one_row_at_least
@@ -327,7 +330,8 @@ class OutboxStore:
                     "limit": asked, "max_bytes": max_bytes,
                     "max_message_bytes": max_message_bytes,
                     "max_row_bytes": max_message_bytes + ROW_HEADROOM,
-                    "one_row_at_least": one_row_at_least, "after": after, "floor": floor}),
+                    "one_row_at_least": one_row_at_least, "after": after, "floor": floor,
+                    "held": held}),
                     prepare=False)
                 if ahead:
                     conn.execute("SET LOCAL lock_timeout TO DEFAULT", prepare=False)
@@ -335,8 +339,10 @@ class OutboxStore:
                 if reads:
                     after_claim = conn.execute(self._claim_writers, prepare=False)
                     frontier = conn.execute(self._claim_frontier, {
-                        "after": after, "floor": floor, "full": full,
-                        "park_horizon": PARK_HORIZON}, prepare=False)
+                        "after": after, "floor": floor, "full": full, "held": held,
+                        "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES,
+                        "park_horizon": PARK_HORIZON},
+                        prepare=False)
                 conn.execute(unlock, key, prepare=False)
                 fetched_rows = cur.fetchall()
                 read = None
@@ -374,7 +380,10 @@ class OutboxStore:
                                claimed=[(r.id, r.attempts <= 0) for r in rows],
                                waiting=frontier_row[0], first=frontier_row[1],
                                parked=None if frontier_row[2] is None
-                               else (frontier_row[2], frontier_row[3]))
+                               else (frontier_row[2], frontier_row[3]),
+                               dead_keys=None if frontier_row[4] is None
+                               else dict(zip(frontier_row[4], frontier_row[5] or [],
+                                             strict=True)))
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:

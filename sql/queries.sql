@@ -79,7 +79,9 @@
 -- 50,000 rows); the look stops at three batches instead, and rows beyond it wait for the
 -- next claim.
 -- Where the look starts: after %(after)s, the relay's low-water mark (relay/marks.py), and
--- where each key's head is looked for: after %(floor)s, below which no row is left. A head is
+-- where each key's head is looked for: after %(floor)s, below which no row is left, or, for a
+-- key the relay holds (a key with a dead letter, whose rows the floor passes), after the
+-- bound %(held)s gives it (relay/marks.py; a jsonb object, one lookup per keyed row). A head is
 -- read as the first entry of outbox_key_idx in the range (key, floor) < (ordering_key, id) <=
 -- (key, this row's id): row comparisons, which only that index can serve, with no equality on
 -- the key (an equality let the planner drop the key from the ORDER BY and read the head through
@@ -145,7 +147,10 @@ WITH live AS MATERIALIZED (
                        AND (ordering_key IS NULL
                             OR ((SELECT h.id FROM {outbox} AS h
                                  WHERE h.ordering_key IS NOT NULL
-                                   AND (h.ordering_key, h.id) > (o.ordering_key, %(floor)s)
+                                   AND (h.ordering_key, h.id)
+                                       > (o.ordering_key,
+                                          coalesce((%(held)s::jsonb ->> o.ordering_key)::bigint,
+                                                   %(floor)s))
                                    AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
                                  ORDER BY h.ordering_key, h.id LIMIT 1) = o.id
                                 AND NOT EXISTS (SELECT FROM {dead_letter} AS d
@@ -185,7 +190,10 @@ WITH live AS MATERIALIZED (
                                                       WHERE o.ordering_key IS NOT NULL
                                                         AND h.ordering_key IS NOT NULL
                                                         AND (h.ordering_key, h.id)
-                                                            > (o.ordering_key, %(floor)s)
+                                                            > (o.ordering_key, coalesce(
+                                                                (%(held)s::jsonb
+                                                                 ->> o.ordering_key)::bigint,
+                                                                %(floor)s))
                                                         AND (h.ordering_key, h.id)
                                                             <= (o.ordering_key, o.id)
                                                       ORDER BY h.ordering_key, h.id LIMIT 1) AS head
@@ -291,10 +299,16 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 -- letter of its key): rows of a batch in flight or in doubt, of a claim made ahead, of a key
 -- held by a batch in flight; the mark stays below it. Only when %(full)s (the CTEs' one-time
 -- filters and the CASE branch run nothing otherwise):
--- - first: the first row after %(after)s that is not parked, due or not, held back for long
---   or not, waiting for its retry or not (it may be a key's head: the head reads start at the
---   floor), or the id a keyed dead letter gets back when it is requeued (dead_letter_requeue),
---   whichever is lower; the floor stays below it.
+-- - first: the first row after %(after)s that is not parked and not of a dead key, due or
+--   not, held back for long or not, waiting for its retry or not (it may be a key's head: the
+--   head reads start at the floor); the floor stays below it.
+-- - dead_keys, dead_lows: the keys of the dead letters, when there are %(max_held)s such dead
+--   letters at most with %(max_held_bytes)s bytes of keys at most (one read of that many
+--   entries of the dead-letter key index), and for each the lowest id one of its dead letters
+--   gets back when it is requeued (dead_letter_requeue; NULL: none, it gets a new one). The
+--   relay holds those keys (relay/marks.py: %(held)s, where each one's head reads start,
+--   below every row of it and below that id), and the floor passes their rows. Past either
+--   bound, dead_keys is NULL: first is also below the lowest such id, as for every key before.
 -- - parked: a row without an ordering key that waits for its retry or is due over
 --   %(park_horizon)s from now (a producer's available_at; PARK_HORIZON, 2 s, in
 --   outbox_relay/postgres.py, which the stats' lowest_unparked uses too; a row committed just
@@ -309,11 +323,24 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 -- Each walks the primary key from %(after)s, the range the claim walked (parked twice, up to
 -- first, and only while rows it counts lie there; first reads the dead-letter table, once a
 -- full look). The arithmetic is in float8: 'infinity' is +Infinity, never an error.
-WITH unparked AS MATERIALIZED (
+WITH dead_letters AS MATERIALIZED (
+    SELECT d.ordering_key, d.outbox_id FROM {dead_letter} AS d
+    WHERE %(full)s AND d.ordering_key IS NOT NULL
+    LIMIT %(max_held)s + 1
+), dead AS MATERIALIZED (
+    SELECT CASE WHEN (SELECT count(*) <= %(max_held)s
+                             AND coalesce(sum(octet_length(ordering_key)), 0)
+                                 <= %(max_held_bytes)s FROM dead_letters)
+                THEN coalesce(array_agg(ordering_key ORDER BY ordering_key), '{{}}') END AS keys,
+           array_agg(low ORDER BY ordering_key) AS lows
+    FROM (SELECT ordering_key, min(outbox_id) AS low FROM dead_letters
+          GROUP BY ordering_key) AS k
+), unparked AS MATERIALIZED (
     SELECT o.id FROM {outbox} AS o
     WHERE %(full)s AND o.id > %(after)s
       AND NOT (o.ordering_key IS NULL
                AND (o.attempts > 0 OR o.available_at > now() + %(park_horizon)s::interval))
+      AND NOT coalesce(o.ordering_key = ANY((SELECT keys FROM dead)::text[]), false)
     ORDER BY o.id LIMIT 1
 ), parked AS MATERIALIZED (
     SELECT min(o.id) AS low,
@@ -330,7 +357,9 @@ SELECT (SELECT o.id FROM {outbox} AS o
           AND (o.ordering_key IS NULL
                OR ((SELECT h.attempts <= 0 AND h.available_at <= now() FROM {outbox} AS h
                     WHERE h.ordering_key IS NOT NULL
-                      AND (h.ordering_key, h.id) > (o.ordering_key, %(floor)s)
+                      AND (h.ordering_key, h.id)
+                          > (o.ordering_key,
+                             coalesce((%(held)s::jsonb ->> o.ordering_key)::bigint, %(floor)s))
                       AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
                     ORDER BY h.ordering_key, h.id LIMIT 1)
                    AND NOT EXISTS (SELECT FROM {dead_letter} AS d
@@ -339,9 +368,12 @@ SELECT (SELECT o.id FROM {outbox} AS o
        CASE WHEN %(full)s THEN
            least((SELECT id FROM unparked),
                  (SELECT min(d.outbox_id) FROM {dead_letter} AS d
-                  WHERE d.ordering_key IS NOT NULL AND d.outbox_id > %(after)s)) END AS first,
+                  WHERE (SELECT keys FROM dead) IS NULL
+                    AND d.ordering_key IS NOT NULL AND d.outbox_id > %(after)s)) END AS first,
        (SELECT low FROM parked) AS parked_low,
-       (SELECT due_in FROM parked) AS parked_due_in;
+       (SELECT due_in FROM parked) AS parked_due_in,
+       (SELECT keys FROM dead) AS dead_keys,
+       (SELECT lows FROM dead) AS dead_lows;
 
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
@@ -423,8 +455,9 @@ RETURNING outbox_id;
 
 -- name: stats
 -- Backlog size, lag, and the rows that will never be due, of the rows with ids above
--- %(after)s, and the lowest id seen (lowest: NULL when none). Run on a session of its own, on
--- a thread of its own (outbox_relay/runtime/stats.py), never on the batch or claim path:
+-- %(after)s and below %(before)s, and the lowest id seen (lowest: NULL when none). Run on a
+-- session of its own, on a thread of its own (outbox_relay/runtime/stats.py), never on the
+-- batch or claim path:
 -- every stats_interval from a floor (the lowest id the last pass saw, less one), a walk of
 -- the primary key over about what was published since (the dead entries a held snapshot
 -- keeps below the floor are not visited again), and every FULL_STATS_INTERVAL from 0, one
@@ -435,45 +468,63 @@ RETURNING outbox_id;
 -- - lag: how late the oldest of them is: its age counted from when it was due, its created_at,
 --   or its producer's available_at when that is later. A row the producer delayed is not late
 --   before its time (it made OutboxLagHigh fire for events delayed on purpose); a row not due
---   yet has a due time in the future, which the min() passes over as long as any row is due,
---   and the greatest(..., 0) makes 0 when none is. A row that failed before (attempts > 0: its
---   available_at is its retry's) is late since its created_at. A row due but held behind an
+--   yet has a due time in the future, which the min() passes over as long as any row is due
+--   (when none is, the value is negative: how long until the first is due; outbox_stats
+--   exports 0 then). A row that failed before (attempts > 0: its available_at is its
+--   retry's) is late since its created_at. A row due but held behind an
 --   older row of its key (per-key order) is late too: its consumers wait for it.
 -- - never_due: rows delayed to the year 10000 or later ('infinity' included): the relay moves
 --   them to the dead-letter table (dead_letter_never_due).
--- - lowest_unparked: the lowest id of a row that is not parked (claim_frontier): a relay
---   whose claims' floor is at or above it has its next claim look from below it (a row
---   that came back below the floor, or a parked one a producer made due or keyed since).
+-- - lowest_unparked: the lowest id of a row that is not parked (claim_frontier) and not of a
+--   dead key (below): a relay whose claims' floor is at or above it has its next claim look
+--   from below it (a row that came back below the floor, or a parked one a producer made due
+--   or keyed since).
 -- - lowest_due, highest: the lowest id of a row that is not a fresh one delayed over
---   %(park_horizon)s (before the year 10000: those go to the dead-letter table), and the
---   highest id.
---   The next passes may start past the delayed rows below lowest_due (all of them when
---   it is NULL), which the full pass counts for them (outbox_relay/postgres.py,
---   outbox_stats): a scheduled event held back for a day would otherwise have every pass
---   walk the dead entries a held snapshot keeps behind it.
+--   %(park_horizon)s (before the year 10000: those go to the dead-letter table) and not of a
+--   dead key, and the highest id.
+--   The next passes may start past the delayed rows and the dead keys' rows below lowest_due
+--   (all of them when it is NULL), which the full pass counts for them, with the oldest one's
+--   lag (outbox_relay/postgres.py, outbox_stats): a scheduled event held back for a day, or
+--   the rows waiting behind a poison event's dead letter, would otherwise have every pass
+--   walk the dead entries a held snapshot keeps behind them.
+-- - dead keys: the keys of the dead letters, as the claims' frontier reads them (the claims'
+--   floor passes their rows too), when there are %(max_held)s such dead letters at most, with
+--   %(max_held_bytes)s bytes of keys at most (NULL, none, otherwise): one read of that many
+--   entries of the dead-letter key index, and a lookup in a jsonb object per keyed row.
 -- Per row, 1,458 instructions of PostgreSQL 15 where the backlog and lag alone took 1,155
 -- (callgrind, docs/operations.md). created_at and available_at are a producer's columns: an
 -- 'infinity' created_at is left out and the arithmetic is in float8, so no value can make
 -- this fail.
+WITH dead AS MATERIALIZED (
+    SELECT CASE WHEN count(*) <= %(max_held)s
+                     AND coalesce(sum(octet_length(d.ordering_key)), 0) <= %(max_held_bytes)s
+                THEN coalesce(jsonb_object_agg(d.ordering_key, true), '{{}}') END AS keys
+    FROM (SELECT d.ordering_key FROM {dead_letter} AS d
+          WHERE d.ordering_key IS NOT NULL
+          LIMIT %(max_held)s + 1) AS d
+)
 SELECT count(*) AS backlog,
-       coalesce(greatest(extract(epoch FROM now())::float8
-                         - extract(epoch FROM min(CASE WHEN attempts > 0 THEN created_at
-                                                       ELSE greatest(created_at, available_at)
-                                                  END)
-                                   FILTER (WHERE isfinite(created_at)))::float8,
-                         0),
-                0) AS lag_seconds,
+       extract(epoch FROM now())::float8
+           - extract(epoch FROM min(CASE WHEN attempts > 0 THEN created_at
+                                         ELSE greatest(created_at, available_at)
+                                    END)
+                     FILTER (WHERE isfinite(created_at)))::float8 AS lag_seconds,
        count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due,
        min(id) AS lowest,
        min(id) FILTER (WHERE NOT (ordering_key IS NULL
                                   AND (attempts > 0
-                                       OR available_at > now() + %(park_horizon)s::interval)))
+                                       OR available_at > now() + %(park_horizon)s::interval))
+                         AND NOT (ordering_key IS NOT NULL
+                                  AND coalesce((SELECT keys FROM dead) ? ordering_key, false)))
            AS lowest_unparked,
-       min(id) FILTER (WHERE attempts > 0 OR available_at <= now() + %(park_horizon)s::interval
-                             OR available_at >= '10000-01-01 00:00:00+00') AS lowest_due,
+       min(id) FILTER (WHERE (attempts > 0 OR available_at <= now() + %(park_horizon)s::interval
+                              OR available_at >= '10000-01-01 00:00:00+00')
+                         AND NOT (ordering_key IS NOT NULL
+                                  AND coalesce((SELECT keys FROM dead) ? ordering_key, false)))
+           AS lowest_due,
        max(id) AS highest
 FROM {outbox}
-WHERE id > %(after)s;
+WHERE id > %(after)s AND id < %(before)s;
 
 -- name: dead_letter_never_due
 -- Rows delayed to the year 10000 or later ('infinity' included) are never due: never published,

@@ -33,6 +33,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from benchmarks.studies.callgrind import backend_total, callgrind_server, stop_server
 from benchmarks.workload import KEY_HEADER_STAND_INS, KEY_SQL, say, write_results
@@ -47,7 +48,7 @@ from outbox_relay.tables import Tables
 SHAPES = ("none", "keys", "headers", "trace", "ids")
 CLAIM_PARAMS = {"max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
                 "max_row_bytes": (128 << 20) + 65536, "one_row_at_least": True,
-                "after": 0, "floor": 0}
+                "after": 0, "floor": 0, "held": Jsonb({})}
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import psycopg
 from psycopg import sql
 
 from devenv.servers import PostgresServer
-from outbox_relay.postgres import PARK_HORIZON
+from outbox_relay.postgres import stats_params
 from outbox_relay.runtime.options import STATS_INTERVAL
 from outbox_relay.schema import migrate
 from outbox_relay.tables import Tables
@@ -61,8 +62,11 @@ def fill(conn: psycopg.Connection[Any], rows: int) -> None:
 def full_pass() -> sql.Composed:
     """The stats query of a full pass (``after`` = 0: the whole table), the one this study
     measures; the passes in between walk only the rows above their floor."""
-    text = Tables(TABLE).query("stats").as_string(None).replace("%(after)s", "0").replace(
-        "%(park_horizon)s", f"'{PARK_HORIZON.total_seconds():g} s'")
+    text = Tables(TABLE).query("stats").as_string(None)
+    for name, value in stats_params(0).items():
+        literal = (f"'{value.total_seconds():g} s'" if isinstance(value, timedelta)
+                   else str(value))
+        text = text.replace(f"%({name})s", literal)
     return sql.Composed([sql.SQL(text)])
 
 

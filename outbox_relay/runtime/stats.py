@@ -14,7 +14,9 @@ backlog and lag leave those rows out. A full pass also puts the floor past the r
 a later time below the first other row (a scheduled event due tomorrow would keep it there,
 and every pass would walk the dead entries behind it): the passes until the next full one add
 the full pass's count of them to the backlog, and see one that came due (its lag) at the next
-full pass.
+full pass. The same for the rows waiting behind a dead letter of their key (a poison event's:
+they stay until someone requeues or discards it), which are late already: the passes in
+between export the oldest one's lag too, grown from what the full pass saw.
 
 The passes run on a daemon thread with a session of their own (``StatsPasses``), so a slow
 pass never delays a batch or a resolution; the thread sets the gauges itself (prometheus-client
@@ -53,6 +55,8 @@ class StatsFloor:
         self.floor = 0
         self._last_full: float | None = None  # when the last full pass ran (None: never)
         self.parked = 0  # delayed rows below the floor, as the last full pass counted them
+        # How late the oldest of them was at that pass (negative: not due yet), and when.
+        self._lag_below: tuple[float, float] | None = None
 
     def start(self) -> tuple[int, bool]:
         """(after, full) for the pass about to run: it counts the rows with ids above
@@ -62,22 +66,39 @@ class StatsFloor:
             return 0, True
         return self.floor, False
 
-    def observe(self, *, full: bool, lowest: int | None, parked: int = 0) -> None:
+    def observe(self, *, full: bool, lowest: int | None, parked: int = 0,
+                lag_below: float | None = None) -> None:
         """What the pass that ``start`` set up saw: the lowest id (None: no row) and, for a
-        full pass, the delayed rows below it (OutboxStats.parked_below). A full pass sets the
-        floor (lower too); another one only moves it forward."""
+        full pass, the rows below it the next passes leave out and how late the oldest of
+        them is (OutboxStats.parked_below, lag_below). A full pass sets the floor (lower too);
+        another one only moves it forward."""
         if full:
             self._last_full = self._clock()
             self.parked = parked
+            # Only rows late already (behind a dead letter of their key): a scheduled one is
+            # claimed within a second of its time, and would count as late until the next
+            # full pass; it shows at that pass if it is still there.
+            self._lag_below = None if not parked or lag_below is None or lag_below < 0 else (
+                lag_below, self._last_full)
             if lowest is not None:
                 self.floor = lowest - 1
         elif lowest is not None:
             self.floor = max(self.floor, lowest - 1)
 
     def backlog(self, counted: int, *, full: bool) -> int:
-        """The backlog to export: a pass's count, plus the delayed rows below the floor for a
-        pass that started there."""
+        """The backlog to export: a pass's count, plus the rows below the floor for a pass
+        that started there."""
         return counted if full else counted + self.parked
+
+    def lag(self, counted: float, *, full: bool) -> float:
+        """The lag to export: a pass's, or for a pass that started at the floor, the larger of
+        its own and the rows' below the floor, as late as the full pass saw the oldest of them
+        plus the time since, when one was late then. Until the next full pass, one published
+        since still counts."""
+        if full or self._lag_below is None:
+            return counted
+        lag, at = self._lag_below
+        return max(counted, lag + self._clock() - at)
 
 
 class StatsPasses:

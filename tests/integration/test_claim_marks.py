@@ -294,21 +294,124 @@ def test_a_key_held_by_its_heads_retry_is_claimed_after_it(
         claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
 
 
-def test_a_key_freed_by_a_requeued_dead_letter_is_claimed(
+def claimed_in_order(store: OutboxStore, env: Env, wanted: list[str], seconds: float) -> float:
+    """Claim batches until every one of ``wanted`` was claimed, in that order (a batch's rows
+    in id order); the seconds it took."""
+    started = time.monotonic()
+    seen: list[str] = []
+    while len([name for name in seen if name in wanted]) < len(wanted):
+        assert time.monotonic() - started < seconds, f"{wanted} not claimed: {seen}"
+        seen += claim(store, env)
+        time.sleep(0.02)
+    assert [name for name in seen if name in wanted] == wanted, seen
+    return time.monotonic() - started
+
+
+def dead_lettered_key(relay: OutboxStore, conn: psycopg.Connection[Any], env: Env,
+                      key: str = "k") -> tuple[int, int]:
+    """A key whose head is dead-lettered and whose second row waits behind it; a keyless row
+    claimed, and a look from the floor after it. (head id, second id)"""
+    head = add(conn, env, f"{key}1", key=key)
+    assert relay.dead_letter_rows({head: "poison"}) == [head]
+    second = add(conn, env, f"{key}2", key=key)
+    add(conn, env, "free")
+    assert claim(relay, env) == ["free"]
+    assert relay.marks.mark >= second  # its key has a dead letter: stepped over
+    time.sleep(SHORT)
+    add(conn, env, "next")
+    assert claim(relay, env) == ["next"]
+    return head, second
+
+
+def test_a_key_freed_by_a_requeued_dead_letter_is_claimed_in_order(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """The floor passes a dead-lettered key's rows (its key held: its head reads start below
+    them); the requeued head comes back at its old id, below the floor, and goes first."""
+    relay = stores(SHORT)
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        head, second = dead_lettered_key(relay, conn, env)
+        assert relay.marks.floor >= second and relay.marks.held == {"k": head - 1}
+        third = add(conn, env, "k3", key="k")  # above the floor: waits too
+        assert claim(relay, env) == []
+        assert relay.marks.floor < third
+        looks = relay.marks.full_looks
+        dead_letter.requeue(conn, tables, None)
+        took = claimed_in_order(relay, env, ["k1", "k2", "k3"], seconds=5.0)
+        assert took < 4 * SHORT + 0.5 and relay.marks.full_looks > looks
+        assert relay.marks.held == {}
+
+
+def test_a_key_freed_by_a_discarded_dead_letter_is_claimed(
         env: Env, stores: Callable[[float], OutboxStore]) -> None:
     relay = stores(SHORT)
     tables = Tables(env.table)
     with env.connect() as conn:
-        head = add(conn, env, "k1", key="k")
-        assert relay.dead_letter_rows({head: "poison"}) == [head]
-        second = add(conn, env, "k2", key="k")
-        add(conn, env, "free")
-        assert claim(relay, env) == ["free"]
-        assert relay.marks.mark >= second > relay.marks.floor  # its key has a dead letter
-        looks = relay.marks.full_looks
+        _head, second = dead_lettered_key(relay, conn, env)
+        assert relay.marks.floor >= second
+        ids = [row[0] for row in conn.execute(sql.SQL("SELECT id FROM {}").format(
+            tables.dead_letter))]
+        assert dead_letter.discard(conn, tables, ids) == ids
+        took = claimed_in_order(relay, env, ["k2"], seconds=5.0)
+        assert took < 4 * SHORT + 0.5
+
+
+def test_a_key_dead_lettered_again_while_held_keeps_its_order(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """Requeued, then its head fails again before any look saw the key free: still held."""
+    relay, other = stores(SHORT), stores(NEVER)
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        head, second = dead_lettered_key(relay, conn, env)
         dead_letter.requeue(conn, tables, None)
-        took = claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
-        assert took < 4 * SHORT + 0.5 and relay.marks.full_looks > looks
+        assert other.claim(100, 1 << 30)[0].message_id == "k1"  # the requeued head, first
+        other.rollback()
+        assert other.dead_letter_rows({head: "poison again"}) == [head]
+        time.sleep(SHORT)
+        add(conn, env, "after")
+        assert claim(relay, env) == ["after"]  # k2 still waits behind its head's dead letter
+        assert relay.marks.held == {"k": head - 1} and relay.marks.floor >= second
+
+
+def test_a_dead_letter_given_another_key_goes_first_in_it_once_requeued(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """An operator fixes a dead letter's ordering key (sql/roles.sql lets them): requeued, it
+    gets its old id back, below the floor, and goes before the newer rows of its new key."""
+    relay = stores(SHORT)
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        head, second = dead_lettered_key(relay, conn, env)
+        assert relay.dead_letter_rows({second: "poison too"}) == [second]  # k stays dead
+        conn.execute(sql.SQL("UPDATE {} SET ordering_key = 'j' WHERE outbox_id = %s").format(
+            tables.dead_letter), (head,))
+        add(conn, env, "j2", key="j")
+        time.sleep(SHORT)
+        add(conn, env, "other")
+        assert claim(relay, env) == ["other"]
+        assert relay.marks.floor >= second and relay.marks.held["j"] < head
+        row = conn.execute(sql.SQL("SELECT id FROM {} WHERE outbox_id = %s").format(
+            tables.dead_letter), (head,)).fetchone()
+        assert row is not None
+        dead_letter.requeue(conn, tables, [row[0]])
+        claimed_in_order(relay, env, ["k1", "j2"], seconds=5.0)
+
+
+def test_more_dead_keys_than_held_keep_the_floor_below_them(
+        env: Env, stores: Callable[[float], OutboxStore],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_HELD_KEYS dead letters with a key, the floor stays below the first (as it did
+    for all before); the keys held so far are let go, and the floor goes below them."""
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        head, _second = dead_lettered_key(relay, conn, env)
+        assert relay.marks.held == {"k": head - 1}
+        monkeypatch.setattr("outbox_relay.relay.store.MAX_HELD_KEYS", 1)
+        other = add(conn, env, "j1", key="j")
+        assert relay.dead_letter_rows({other: "poison"}) == [other]
+        time.sleep(SHORT)
+        add(conn, env, "last")
+        assert claim(relay, env) == ["last"]
+        assert relay.marks.held == {} and relay.marks.floor < head
 
 
 def test_an_insert_begun_between_the_writers_read_and_the_snapshot_is_claimed(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from devenv import checker
 from outbox_relay.prepared import PreparedStatement
@@ -66,7 +67,7 @@ def test_a_session_that_has_a_statement_of_the_claims_name_gets_the_claim(env: E
             rows = conn.execute(claim.execute_query({
                 "limit": 10, "max_bytes": 1 << 20, "max_message_bytes": 1 << 20,
                 "max_row_bytes": 2 << 20, "one_row_at_least": True, "after": 0, "floor": 0,
-            })).fetchall()
+                "held": Jsonb({})})).fetchall()
         assert rows == []  # the claim's result, not SELECT 1's
         statements = conn.execute("SELECT name, statement FROM pg_prepared_statements"
                                   ).fetchall()

@@ -33,7 +33,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox_relay.postgres import PARK_HORIZON
+from outbox_relay.postgres import MAX_HELD_BYTES, MAX_HELD_KEYS, PARK_HORIZON, stats_params
 from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay import store
 from outbox_relay.relay.store import OutboxStore
@@ -109,7 +109,12 @@ class Statement:
 # The claim's parameters as the relay passes them (a byte budget the batch does not reach).
 CLAIM = {"limit": BATCH, "max_bytes": 16 << 20, "max_message_bytes": 128 << 20,
          "max_row_bytes": (128 << 20) + store.ROW_HEADROOM, "one_row_at_least": True,
-         "after": 0, "floor": 0}
+         "after": 0, "floor": 0, "held": Jsonb({})}
+
+
+# The frontier's other parameters as the relay passes them (no key held).
+FRONTIER = {"held": Jsonb({}), "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES,
+            "park_horizon": PARK_HORIZON}
 
 
 def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[str, Any]]:
@@ -121,7 +126,7 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
                             "base_delay": 1.0, "max_delay": 60.0},
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
         # The full pass; the bounded one: test_stats_floor.py.
-        "stats": {"after": 0, "park_horizon": PARK_HORIZON},
+        "stats": stats_params(0),
     }
 
 
@@ -469,12 +474,11 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claim = Statement(claim_conn, tables, "claim")
         frontier = Statement(claim_conn, tables, "claim_frontier")
         claim.build_plan(CLAIM)
-        frontier.build_plan({"after": 0, "floor": 0, "full": False,
-                             "park_horizon": PARK_HORIZON})
+        frontier.build_plan({**FRONTIER, "after": 0, "floor": 0, "full": False})
 
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
-        at = {"after": mark, "floor": mark, "park_horizon": PARK_HORIZON}
+        at = {**FRONTIER, "after": mark, "floor": mark}
         alone = {"claim": buffers(claim.explain({**CLAIM, **at}, buffers=True)),
                  "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True))}
 
@@ -491,7 +495,7 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         assert pages is not None
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
-        at = {"after": mark, "floor": mark, "park_horizon": PARK_HORIZON}
+        at = {**FRONTIER, "after": mark, "floor": mark}
 
         claimed = claim.explain({**CLAIM, **at}, buffers=True)
         assert rows_in(claimed["Plan"]) == BATCH

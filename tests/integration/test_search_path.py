@@ -174,7 +174,7 @@ def test_a_producers_look_alikes_never_run_in_the_programs(
         assert len(admin.execute(Tables(decoy).query("claim"), {
             "limit": 10, "max_bytes": 1 << 24, "max_message_bytes": 1 << 16,
             "max_row_bytes": (1 << 16) + (1 << 20), "one_row_at_least": True,
-            "after": 0, "floor": 0}).fetchall()) == 10
+            "after": 0, "floor": 0, "held": Jsonb({})}).fetchall()) == 10
         admin.execute(sql.SQL("DROP TABLE {}, {}, {}").format(
             Tables(decoy).outbox, Tables(decoy).dead_letter, Tables(decoy).ledger_key))
     assert {(who, what) for who, program, what in hits(env)} == {

@@ -83,7 +83,7 @@ def test_a_pass_from_the_floor_counts_as_the_full_one_and_a_full_one_finds_a_low
             session.session.execute(postgres.BOUNDED_STATS_SETUP)
             plan = session.session.execute(
                 sql.SQL("EXPLAIN (FORMAT JSON) ") + session.tables.query("stats"),
-                {"after": floor, "park_horizon": postgres.PARK_HORIZON}).fetchone()
+                postgres.stats_params(floor)).fetchone()
         assert plan is not None and "Seq Scan" not in str(plan[0]), plan
 
         time.sleep(LOOK)  # the next claim is a full look: the claims' floor moves up to 50
@@ -156,6 +156,48 @@ def test_a_full_pass_puts_the_floor_past_the_rows_delayed_below_the_others(env: 
         conn.execute(sql.SQL("DELETE FROM {}").format(tables.outbox))
         full = postgres.outbox_stats(conn, tables)
         assert (full.backlog, full.lowest, full.parked_below) == (0, None, 0)
+
+
+def test_a_full_pass_puts_the_floor_past_a_dead_keys_rows_and_keeps_their_lag(
+        env: Env) -> None:
+    """Rows waiting behind a dead letter of their key (a poison event's) stay until someone
+    requeues or discards it: the full pass passes them as it passes delayed rows, counts
+    them, and gives how late the oldest is, which the passes in between keep exporting."""
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        def add(name: str, key: str | None, age: float = 0.0) -> int:
+            row = conn.execute(sql.SQL(
+                "INSERT INTO {} (message_id, routing_key, ordering_key, payload, created_at, "
+                "available_at) VALUES (%s, 'k', %s, '{{}}', now() - make_interval(secs => %s), "
+                "now() - make_interval(secs => %s)) RETURNING id"
+            ).format(tables.outbox), (name, key, age, age)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        conn.execute(sql.SQL(
+            "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload, headers,"
+            " created_at, attempts, last_error) VALUES ('poison', '', 'k', 'dead', '{{}}', "
+            "'{{}}', now(), 1, 'unroutable')").format(tables.dead_letter))
+        add("dead-1", "dead", age=600)
+        add("dead-2", "dead", age=500)
+        first = add("live", "alive", age=5)
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.backlog, full.lowest, full.parked_below) == (3, first, 2)
+        assert full.lowest_unparked == first  # the claims' floor may stay past them too
+        assert full.lag_below is not None and 600 <= full.lag_below < 660
+        assert 600 <= full.lag < 660
+        floor = stats.StatsFloor()
+        floor.observe(full=True, lowest=full.lowest, parked=full.parked_below,
+                      lag_below=full.lag_below)
+        conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(tables.outbox), (first,))
+        bounded = postgres.outbox_stats(conn, tables, first - 1)
+        assert (bounded.backlog, bounded.lag) == (0, 0.0)
+        assert floor.backlog(bounded.backlog, full=False) == 2
+        assert floor.lag(bounded.lag, full=False) >= full.lag_below
+        # Freed (its dead letter discarded): they count as any row at the next full pass.
+        conn.execute(sql.SQL("DELETE FROM {}").format(tables.dead_letter))
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.backlog, full.parked_below, full.lowest_unparked) == (2, 0, full.lowest)
 
 
 def stats_backends(env: Env, name: str) -> int:

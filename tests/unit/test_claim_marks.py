@@ -292,3 +292,83 @@ def test_a_new_session_forgets_the_parked_rows() -> None:
                   waiting=None, first=None)
     clock.now += 1.0
     assert marks.start() == (20, True)
+
+
+def test_a_dead_keys_rows_are_passed_and_its_head_reads_start_below_them() -> None:
+    """Key k has a dead letter (its rows 3 and 4 wait behind it): the look's first row is past
+    them, and k's head reads start where the floor was when k was first seen dead."""
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    assert marks.start() == (0, True)
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(5, True)],
+                  waiting=None, first=None, dead_keys={"k": None})
+    assert marks.held == {"k": 0} and marks.floor == 4  # below our row in flight only
+    clock.now += 1.0
+    assert marks.start() == (4, True)
+    marks.observe(after=4, full=True, writers=[], writers_after=[], claimed=[(6, True)],
+                  waiting=None, first=None, dead_keys={"k": None, "j": None})
+    assert marks.held == {"k": 0, "j": 4}  # k's bound is kept, j's is this look's floor
+    assert marks.floor == 5
+    marks.observe(after=5, full=False, writers=[], writers_after=[], claimed=[(7, True)],
+                  waiting=None, first=None, dead_keys={})  # only a full look's count
+    assert marks.held == {"k": 0, "j": 4}
+
+
+def test_a_key_no_longer_dead_brings_the_floor_and_mark_below_its_rows() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(5, True)],
+                  waiting=None, first=None, dead_keys={"k": None})
+    clock.now += 1.0
+    marks.start()
+    marks.observe(after=4, full=True, writers=[], writers_after=[], claimed=[(20, True)],
+                  waiting=None, first=30, dead_keys={"k": None, "j": None})
+    marks.observe(after=20, full=False, writers=["w"], writers_after=["w"],
+                  claimed=[(25, True)], waiting=None, first=None)  # waits for w
+    assert (marks.mark, marks.floor) == (20, 19)
+    clock.now += 1.0
+    assert marks.start() == (19, True)
+    # k's dead letter is gone (requeued at its old id, 1): from below k's rows, at once; what
+    # waited to move the marks past them is dropped, and this look moves nothing
+    marks.observe(after=19, full=True, writers=[], writers_after=[], claimed=[(40, True)],
+                  waiting=None, first=50, dead_keys={"j": None})
+    assert marks.held == {"j": 4} and (marks.mark, marks.floor) == (0, 0)
+    assert marks.start() == (0, False)
+
+
+def test_more_dead_keys_than_held_let_every_key_go() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(9, True)],
+                  waiting=None, first=None, dead_keys={"k": None})
+    clock.now += 1.0
+    assert marks.start() == (8, True)
+    marks.observe(after=8, full=True, writers=[], writers_after=[], claimed=[(12, True)],
+                  waiting=None, first=10, dead_keys=None)  # over the bound: none held
+    assert marks.held == {} and marks.floor == 0
+
+
+def test_a_new_session_holds_no_key() -> None:
+    marks = ClaimMarks(interval=1.0, clock=Clock())
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(9, True)],
+                  waiting=None, first=None, dead_keys={"k": None})
+    marks.restart()
+    assert marks.held == {} and marks.start() == (0, True)
+
+
+def test_a_held_keys_head_reads_start_below_the_id_its_dead_letter_gets_back() -> None:
+    """A dead letter's key may change (an operator's fix): when requeued, it gets its old id
+    back, which may lie below the floor, and its new key's head reads must see it."""
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(50, True)],
+                  waiting=None, first=None, dead_keys={})
+    clock.now += 1.0
+    assert marks.start() == (49, True)
+    marks.observe(after=49, full=True, writers=[], writers_after=[], claimed=[(60, True)],
+                  waiting=None, first=None, dead_keys={"j": 7, "k": 55})
+    assert marks.held == {"j": 6, "k": 49}

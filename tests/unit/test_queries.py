@@ -208,5 +208,5 @@ def test_a_prepared_statement_numbers_each_name_once_and_executes_with_literals(
     executed = statement.execute_query({"limit": 200, "one": True, "after": 7, "unused": "x"})
     assert executed.as_string(None) == 'EXECUTE "s" (7, 200, true)'
     claim = PreparedStatement("outbox_relay_claim", Tables("outbox").query("claim"))
-    assert sorted(claim.params) == ["after", "floor", "limit", "max_bytes", "max_message_bytes",
-                                    "max_row_bytes", "one_row_at_least"]
+    assert sorted(claim.params) == ["after", "floor", "held", "limit", "max_bytes",
+                                    "max_message_bytes", "max_row_bytes", "one_row_at_least"]

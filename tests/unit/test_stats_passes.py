@@ -60,6 +60,24 @@ def test_the_delayed_rows_below_a_full_passs_floor_stay_in_the_backlog() -> None
     assert floor.backlog(10, full=False) == 10  # the next full pass found none
 
 
+def test_the_rows_below_the_floor_keep_their_lag_between_full_passes() -> None:
+    clock = Clock()
+    floor = StatsFloor(clock=clock)
+    floor.start()
+    floor.observe(full=True, lowest=501, parked=2, lag_below=30.0)  # waiting behind a key
+    assert floor.lag(30.0, full=True) == 30.0
+    clock.now += 5.0
+    assert floor.lag(1.5, full=False) == 35.0  # 30 s late 5 s ago
+    assert floor.lag(90.0, full=False) == 90.0  # a later row may be later still
+    # Only scheduled rows below, due in 100 s: claimed at their time, not late before the
+    # next full pass sees them still there.
+    floor.observe(full=True, lowest=501, parked=1, lag_below=-100.0)
+    clock.now += 110.0
+    assert floor.lag(2.0, full=False) == 2.0
+    floor.observe(full=True, lowest=530)  # none below: the passes' own lag
+    assert floor.lag(2.0, full=False) == 2.0
+
+
 def test_the_floor_moves_only_forward_between_full_passes() -> None:
     clock = Clock()
     floor = StatsFloor(clock=clock)

@@ -59,6 +59,9 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "forged_ledger_exchange": {"exchange": LEDGER, "routing_key": LEDGER, "payload": "FORGED"},
     "oversized_payload": {"payload_bytes": b"\x00" * (MAX_MESSAGE_BYTES + 1)},
     "long_routing_key": {"routing_key": "r" * 300},
+    # A poison event with an ordering key (a key of its own): the relays' claims hold its key
+    # and pass the dead letter (relay/marks.py), as long as there are 100 such at most.
+    "long_routing_key_keyed": {"routing_key": "r" * 300, "ordering_key": "KEY"},
     # The AMQP type and correlation_id, which consumers route and match by.
     "type_with_line_break": {"message_type": "order.paid\r\nX-Injected: 1"},
     "long_correlation_id": {"correlation_id": "c" * 300},
@@ -179,6 +182,8 @@ class HostileProducer(threading.Thread):
             columns["payload"] = Jsonb(self._forged(conn))
         if "payload_bytes" in columns:
             columns["payload"] = None
+        if columns.get("ordering_key") == "KEY":
+            columns["ordering_key"] = f"hostile-{n}"
         return columns
 
     def run(self) -> None:

@@ -728,10 +728,9 @@ class Relay(Loop):
         source = self._stats_session.get()
         after, full = self._stats_floor.start()
         stats = source.stats(after)
-        self._stats_floor.observe(full=full, lowest=stats.lowest, parked=stats.parked_below,
-                                  lag_below=stats.lag_below)
-        self.metrics.backlog.set(self._stats_floor.backlog(stats.backlog, full=full))
-        self.metrics.lag.set(self._stats_floor.lag(stats.lag, full=full))
+        backlog, lag = self._stats_floor.export(stats, full=full)
+        self.metrics.backlog.set(backlog)
+        self.metrics.lag.set(lag)
         if stats.never_due:
             self._never_due.set()
         marks = self.store.marks

@@ -281,11 +281,10 @@ class Resolver(Loop):
             self.metrics.lag.set(math.nan)
             self.metrics.blocked_keys.set(math.nan)
             return
-        self._stats_floor.observe(full=full, lowest=stats.lowest, parked=stats.parked_below,
-                                  lag_below=stats.lag_below)
+        backlog, lag = self._stats_floor.export(stats, full=full)
         self._stats_failing = False
-        self.metrics.backlog.set(self._stats_floor.backlog(stats.backlog, full=full))
-        self.metrics.lag.set(self._stats_floor.lag(stats.lag, full=full))
+        self.metrics.backlog.set(backlog)
+        self.metrics.lag.set(lag)
         self.metrics.blocked_keys.set(blocked)
         sizes = source.sizes()
         self.metrics.table_bytes.labels("heap").set(sizes.heap_bytes)

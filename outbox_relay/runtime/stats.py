@@ -90,6 +90,13 @@ class StatsFloor:
         that started there."""
         return counted if full else counted + self.parked
 
+    def export(self, stats: OutboxStats, *, full: bool) -> tuple[int, float]:
+        """``observe`` the pass ``start`` set up, which saw ``stats``; the backlog and the lag
+        to export."""
+        self.observe(full=full, lowest=stats.lowest, parked=stats.parked_below,
+                     lag_below=stats.lag_below)
+        return self.backlog(stats.backlog, full=full), self.lag(stats.lag, full=full)
+
     def lag(self, counted: float, *, full: bool) -> float:
         """The lag to export: a pass's, or for a pass that started at the floor, the larger of
         its own and the rows' below the floor, as late as the full pass saw the oldest of them

@@ -250,11 +250,14 @@ def test_sigterm_stops_gracefully_and_a_second_signal_at_once(env: Env) -> None:
     relay = env.spawn("relay", OUTBOX_BATCH_SIZE="100")
     wait_until(lambda: outbox_count(env) == 0, 60, "the outbox to empty")
     # Two signals delivered together: the first asks for a graceful stop, the second ends it.
+    # Which one Python handles second is not defined: the kernel may hand SIGTERM to another
+    # thread while the main thread enters SIGINT's handler, and it then runs nested, first.
     relay.send_signal(signal.SIGSTOP)
     relay.send_signal(signal.SIGINT)
     relay.send_signal(signal.SIGTERM)
     relay.send_signal(signal.SIGCONT)
-    assert relay.wait(10) == 128 + signal.SIGTERM, log_of(relay)
+    assert relay.wait(10) in (128 + signal.SIGINT, 128 + signal.SIGTERM), log_of(relay)
+    assert "second signal: exiting at once" in log_of(relay)
     assert "relay stopped" not in log_of(relay)
     deliveries = checker.drain(env.amqp_url, env.queue, expected=set(produced))
     report = checker.check(produced, deliveries)

@@ -128,6 +128,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --bloat/--snapshot: before the snapshot, a producer inserts two events of "
         "one ordering key, the first one the relay dead-letters (its routing key is too long), "
         "the second held behind it for the whole run; both deleted at its end")
+    add("--delayed-key", action="store_true",
+        help="with --bloat/--snapshot: before the snapshot, a producer inserts two events of "
+        "one ordering key, the first due in a day, the second due at once and held behind it "
+        "for the whole run; both deleted at its end")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
@@ -294,7 +298,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
             hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
             bucket=60.0 if args.bloat_seconds >= 120 else 2.0, delayed_row=args.delayed_row,
-            blocked_key=args.blocked_key)
+            blocked_key=args.blocked_key, delayed_key=args.delayed_key)
         bloat.print_table(results["bloat"])
     if args.outage:
         results["outage"] = outage.run(

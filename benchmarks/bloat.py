@@ -25,7 +25,9 @@ its end: a row held back for long, below every row the relay claims meanwhile. W
 inserted just before the snapshot, the first with a routing key longer than AMQP allows (the
 relay moves it to the dead-letter table as it claims it), the second waiting behind that dead
 letter (per-key order) until the run deletes both at its end: a poison keyed event, as it stays
-until someone requeues or discards it.
+until someone requeues or discards it. With ``delayed_key`` (``--delayed-key``), a scheduled
+event with an ordering key, due in a day, and a second event of its key due at once, waiting
+behind it (per-key order) until the run deletes both at its end.
 """
 
 from __future__ import annotations
@@ -118,6 +120,15 @@ VALUES ('bloat-blocked-0', %(exchange)s, repeat('r', 300), 'bloat-blocked', '{}'
 """
 
 
+# A scheduled keyed event (--delayed-key): due in a day; the second of its key waits behind it.
+_DELAYED_KEY = """
+INSERT INTO outbox (message_id, exchange, routing_key, ordering_key, payload, available_at)
+VALUES ('bloat-delayed-key-0', %(exchange)s, %(routing)s, 'bloat-delayed-key', '{}',
+        now() + interval '1 day'),
+       ('bloat-delayed-key-1', %(exchange)s, %(routing)s, 'bloat-delayed-key', '{}', now())
+"""
+
+
 def _delete_blocked_key(conn: psycopg.Connection[Any]) -> bool:
     """Delete the blocked key's two rows; True if they were where they should be: its second
     event in the outbox, its first in the dead-letter table."""
@@ -128,7 +139,8 @@ def _delete_blocked_key(conn: psycopg.Connection[Any]) -> bool:
 
 
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
-        bucket: float, delayed_row: bool = False, blocked_key: bool = False) -> dict[str, Any]:
+        bucket: float, delayed_row: bool = False, blocked_key: bool = False,
+        delayed_key: bool = False) -> dict[str, Any]:
     reset(servers)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
@@ -137,7 +149,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     resolver = processes.resolver(servers, logdir, "bloat-resolver", **resolver_settings)
     programs = [resolver, processes.relay(servers, logdir, "bloat-relay")]
     probes: list[Probe] = []
-    delayed_left = blocked_left = False
+    delayed_left = blocked_left = delayed_key_left = False
     stop = threading.Event()
     prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes,
                                                    max(1.0, bucket / 6)), daemon=True)
@@ -152,6 +164,9 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             sizes = {"before": table_size(sizer)}
             if delayed_row:
                 sizer.execute(_DELAYED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
+            if delayed_key:
+                sizer.execute(_DELAYED_KEY, {"exchange": EXCHANGE,
+                                             "routing": f"{ROUTING_PREFIX}0"})
             if blocked_key:
                 sizer.execute(_BLOCKED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
         with psycopg.connect(servers.db_url) as holder:
@@ -174,6 +189,9 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
                     "DELETE FROM outbox WHERE message_id = 'bloat-delayed'").rowcount == 1
             if blocked_key:
                 blocked_left = _delete_blocked_key(sizer)
+            if delayed_key:  # both still there: the first not due, the second behind it
+                delayed_key_left = sizer.execute(
+                    "DELETE FROM outbox WHERE ordering_key = 'bloat-delayed-key'").rowcount == 2
             sizes["end"] = table_size(sizer)
     finally:
         stop.set()
@@ -186,7 +204,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     return {**summary, "table_size": sizes, "compact": compacted,
             "resolver_settings": resolver_settings,
             **({"delayed_row_left_at_end": delayed_left} if delayed_row else {}),
-            **({"blocked_key_left_at_end": blocked_left} if blocked_key else {})}
+            **({"blocked_key_left_at_end": blocked_left} if blocked_key else {}),
+            **({"delayed_key_left_at_end": delayed_key_left} if delayed_key else {})}
 
 
 def resolver_compaction(resolver: processes.Program, timeout: float = 300.0) -> dict[str, Any]:

@@ -8,6 +8,7 @@ makes ``Message``s out of them, relay/publisher.py says what the broker did in a
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -209,3 +210,8 @@ class OutboxStats:
     # negative when none is due yet; None: none has a finite created_at).
     parked_below: int = 0
     lag_below: float | None = None
+    # A full pass's: the ordering keys whose oldest row is parked (a retry, or due over
+    # PARK_HORIZON from now) among the rows below lowest_unparked, each with its lowest id
+    # there (None: more than MAX_HELD_KEYS of them), and the lowest of those ids.
+    parked_keys: Mapping[str, int] | None = None
+    lowest_parked_key: int | None = None

@@ -351,11 +351,12 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
     """Backlog, lag and rows never due of the outbox rows with ids above ``after`` (0: the
     whole table), and the lowest id seen (sql/queries.sql, stats). ``conn``: autocommit.
 
-    A full pass (``after`` 0) whose lowest rows are delayed to a later time (a scheduled
-    event) or wait behind a dead letter of their key gives as ``lowest`` the first other row,
-    or past the last row: the next passes start there. The rows below it are counted once
-    more, in the same snapshot, as ``parked_below``, with ``lag_below``, how late the oldest
-    of them is (negative: not due yet)."""
+    A full pass (``after`` 0) also reads where the next passes start and what the claims'
+    floor must look below (stats_lowest). When its lowest rows are delayed to a later time
+    (a scheduled event) or wait behind a dead letter or a delayed row of their key, it gives
+    as ``lowest`` the first other row, or past the last row: the next passes start there. The
+    rows below it are counted once more, in the same snapshot, as ``parked_below``, with
+    ``lag_below``, how late the oldest of them is (negative: not due yet)."""
     query = tables.query("stats")
     if after > 0:
         with conn.transaction():
@@ -367,13 +368,21 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         row = conn.execute(query, stats_params(0)).fetchone()
         assert row is not None
-        stats = _stats_row(row)
-        lowest_due, highest = _optional(row[5]), _optional(row[6])
+        conn.execute(BOUNDED_STATS_SETUP)  # walks of the primary key, not of the table
+        lows = conn.execute(tables.query("stats_lowest"), {
+            "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
+            "max_held_bytes": MAX_HELD_BYTES}).fetchone()
+        assert lows is not None
+        stats = dataclasses.replace(
+            _stats_row(row), lowest_unparked=_optional(lows[0]),
+            parked_keys=None if lows[2] is None else {
+                str(key): int(low) for key, low in lows[2].items()},
+            lowest_parked_key=_optional(lows[3]))
+        lowest_due, highest = _optional(lows[1]), _optional(row[4])
         start = lowest_due if lowest_due is not None else (
             None if highest is None else highest + 1)
         if stats.lowest is None or start is None or start <= stats.lowest:
             return stats
-        conn.execute(BOUNDED_STATS_SETUP)
         below = conn.execute(query, stats_params(0, before=start)).fetchone()
         assert below is not None
         return dataclasses.replace(stats, lowest=start, parked_below=int(below[0]),
@@ -382,13 +391,12 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
 
 def stats_params(after: int, before: int = (1 << 63) - 1) -> dict[str, Any]:
     """The stats query's parameters for the rows with ids above ``after``, below ``before``."""
-    return {"after": after, "before": before, "park_horizon": PARK_HORIZON,
-            "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES}
+    return {"after": after, "before": before}
 
 
 def _stats_row(row: Any) -> OutboxStats:
     lag = 0.0 if row[1] is None else max(float(row[1]), 0.0)
-    return OutboxStats(int(row[0]), lag, int(row[2]), _optional(row[3]), _optional(row[4]))
+    return OutboxStats(int(row[0]), lag, int(row[2]), _optional(row[3]))
 
 
 class StatsSession:

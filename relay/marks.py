@@ -44,7 +44,7 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   as before). A scheduled event held back for a day, or a poison row between its retries,
   then costs the looks nothing. What else could bring a parked row back below the floor (a
   producer's UPDATE making it due, or keyed) is seen by the stats passes' full pass, at most
-  a minute later (``lower_floor``);
+  a minute later (``check_floor``);
 - and except the rows of a **dead key**, one with a dead letter (a poison event's: its later
   rows wait behind it until someone requeues or discards it), and that dead letter's old id.
   The look reads the dead letters' keys (sql/queries.sql, claim_frontier) and the relay
@@ -54,9 +54,16 @@ a key freed (its head published, its dead letter requeued). None is lost or dela
   mark) back below where its head reads started, at once and for good (what waited to move
   them past is dropped): a requeued head gets its old id back there, and goes first. Past
   postgres.MAX_HELD_KEYS such dead letters (or MAX_HELD_BYTES of keys: every claim sends
-  them), no key is held, and the floor stays below all of them, as before. A keyed row held
-  back otherwise (not due, a retry) still keeps the floor: the head reads of its key must
-  see it.
+  them), no key is held, and the floor stays below all of them, as before;
+- and except the rows of a **parked key**, one whose head (its oldest row) would be parked if
+  it had no key: a poison event between its retries, an event scheduled for tomorrow, with
+  its key's later rows waiting behind it. The look finds them (claim_frontier, parked_keys)
+  and the relay holds them as it holds the dead keys; the first look that finds a held key's
+  head not parked any more (published, due within the horizon, deleted) lets it go and
+  looks from below its rows, as for a dead key. Past the same bounds, the floor stays below
+  their rows, as before. What else could bring such a row below the floor unheld (a
+  producer's UPDATE giving a parked row a key) is seen by the stats passes' full pass
+  (``check_floor``).
 
 A new session (connect) starts both at 0: its first claim looks from the start.
 
@@ -76,6 +83,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from outbox_relay.model import OutboxStats
 
 FULL_LOOK_INTERVAL = 1.0  # seconds between looks from the floor
 # Rows claimed without reading where the marks may move before a claim reads it again (the
@@ -163,6 +172,19 @@ class ClaimMarks:
         """A claim that did not read took ``rows`` rows: the next claims walk them too."""
         self._unread += rows
 
+    def check_floor(self, stats: OutboxStats) -> None:
+        """Thread-safe: a full stats pass saw ``stats``; a row it found at or below the floor
+        that no look from the floor would see (not parked, or of a parked key not held) has
+        the next claim look from below it (``lower_floor``)."""
+        below = [] if stats.lowest_unparked is None else [stats.lowest_unparked]
+        if stats.parked_keys is None:
+            below += [] if stats.lowest_parked_key is None else [stats.lowest_parked_key]
+        else:
+            held = self.held  # replaced whole by the claims' thread, never changed in place
+            below += [low for key, low in stats.parked_keys.items() if key not in held]
+        if below and min(below) <= self.floor:
+            self.lower_floor(min(below) - 1)
+
     def lower_floor(self, below: int) -> None:
         """Thread-safe: the next claim looks from ``below`` at most (floor and mark lowered to
         it): a full stats pass (outbox_relay/runtime/stats.py) saw a row there, which came
@@ -174,20 +196,25 @@ class ClaimMarks:
                 writers_after: Iterable[str], claimed: Iterable[tuple[int, bool]],
                 waiting: int | None, first: int | None,
                 parked: tuple[int, float] | None = None,
-                dead_keys: Mapping[str, int | None] | None = None) -> None:
+                dead_keys: Mapping[str, int | None] | None = None,
+                parked_keys: Iterable[str] | None = None) -> None:
         """What the claim that started after ``after`` saw: the writers read before its
         snapshot and after it (before its frontier's), the (id, fresh) of each row it claimed,
         and its frontier (sql/queries.sql, claim_frontier): ``first`` is the first row that is
-        not parked and not of a key in ``dead_keys`` (the keys of the dead letters, each with
-        the lowest id one of them gets back when it is requeued; None: more than
-        postgres.MAX_HELD_KEYS of them, and ``first`` is below all), ``parked`` the lowest id
+        not parked and not of a key in ``dead_keys`` or ``parked_keys`` (the keys of the dead
+        letters, each with the lowest id one of them gets back when it is requeued; None: more
+        than postgres.MAX_HELD_KEYS of them, and ``first`` is below all), ``parked`` the lowest id
         of the parked rows below it that are not due and the seconds until the first of them
-        is. A full look that is not told ``dead_keys`` holds none."""
+        is, ``parked_keys`` the keys whose head is parked (None: more than
+        postgres.MAX_HELD_KEYS of them, and ``first`` is below their rows). A full look that
+        is not told ``dead_keys`` and ``parked_keys`` holds none."""
         freed = False
         if full:
-            held = {} if dead_keys is None else {
-                key: min(self.held.get(key, after), after if low is None else low - 1)
-                for key, low in dead_keys.items()}
+            lows: dict[str, int | None] = dict(dead_keys or {})
+            for key in parked_keys or ():
+                lows.setdefault(key, None)
+            held = {key: min(self.held.get(key, after), after if low is None else low - 1)
+                    for key, low in lows.items()}
             gone = [low for key, low in self.held.items() if key not in held]
             self.held = held
             if gone:

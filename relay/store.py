@@ -383,7 +383,8 @@ class OutboxStore:
                                else (frontier_row[2], frontier_row[3]),
                                dead_keys=None if frontier_row[4] is None
                                else dict(zip(frontier_row[4], frontier_row[5] or [],
-                                             strict=True)))
+                                             strict=True)),
+                               parked_keys=frontier_row[6])
         # RETURNING follows the executor, not ORDER BY: sorted, rows go out in insert order.
         fetched = sum(r.row_bytes for r in rows)
         if len(rows) < asked and 2 * fetched >= max_bytes:

@@ -724,7 +724,7 @@ class Relay(Loop):
         due wait, and the claims' safety net: a full pass that sees a row that is not parked
         at or below the claim marks' floor (it came back there after the floor moved, or a
         producer made a parked row due) has the next claim look from below it
-        (ClaimMarks.lower_floor)."""
+        (ClaimMarks.check_floor)."""
         source = self._stats_session.get()
         after, full = self._stats_floor.start()
         stats = source.stats(after)
@@ -733,10 +733,8 @@ class Relay(Loop):
         self.metrics.lag.set(lag)
         if stats.never_due:
             self._never_due.set()
-        marks = self.store.marks
-        lowest = stats.lowest_unparked  # a parked row may lie below the floor (relay/marks.py)
-        if full and lowest is not None and lowest <= marks.floor:
-            marks.lower_floor(lowest - 1)
+        if full:  # a parked row may lie below the floor (relay/marks.py)
+            self.store.marks.check_floor(stats)
 
     def _dead_letter_never_due(self) -> None:
         """Rows a producer delayed to the year 10000 or later ('infinity') are never due: moved

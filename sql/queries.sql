@@ -299,9 +299,9 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 -- letter of its key): rows of a batch in flight or in doubt, of a claim made ahead, of a key
 -- held by a batch in flight; the mark stays below it. Only when %(full)s (the CTEs' one-time
 -- filters and the CASE branch run nothing otherwise):
--- - first: the first row after %(after)s that is not parked and not of a dead key, due or
---   not, held back for long or not, waiting for its retry or not (it may be a key's head: the
---   head reads start at the floor); the floor stays below it.
+-- - first: the first row after %(after)s that is not parked, not of a dead key and not of a
+--   parked key, due or not, held back for long or not (it may be a key's head: the head reads
+--   start at the floor); the floor stays below it.
 -- - dead_keys, dead_lows: the keys of the dead letters, when there are %(max_held)s such dead
 --   letters at most with %(max_held_bytes)s bytes of keys at most (one read of that many
 --   entries of the dead-letter key index), and for each the lowest id one of its dead letters
@@ -320,9 +320,19 @@ WHERE locktype = 'relation' AND relation = {outbox_text}::regclass
 --   parked_low, parked_due_in: the lowest id of the parked rows between %(after)s and first
 --   that are not retries, and the seconds until the first of them is due: the relay looks
 --   from below the lowest again once one is.
+-- - parked_keys: the keys whose head (their oldest row, read as the claim reads it) is a row
+--   with an ordering key that would be parked if it had none: a poison event between its
+--   retries, an event scheduled for tomorrow, and every later row of its key waits behind
+--   it. The keys of the rows between %(after)s and first (each such row's head is parked),
+--   and those held already whose head still is (one probe each): at most %(max_held)s, with
+--   %(max_held_bytes)s bytes of keys (NULL past either bound, and first is then the first
+--   row that is not parked and not of a dead key, as before). The relay holds them as it
+--   holds the dead keys, and lets one go at the first look that finds its head not parked
+--   (published, due within %(park_horizon)s, deleted): that look starts below its rows.
 -- Each walks the primary key from %(after)s, the range the claim walked (parked twice, up to
--- first, and only while rows it counts lie there; first reads the dead-letter table, once a
--- full look). The arithmetic is in float8: 'infinity' is +Infinity, never an error.
+-- first, and only while rows it counts lie there; first and parked_keys once more, with a
+-- probe of outbox_key_idx for each keyed row they pass; first reads the dead-letter table,
+-- once a full look). The arithmetic is in float8: 'infinity' is +Infinity, never an error.
 WITH dead_letters AS MATERIALIZED (
     SELECT d.ordering_key, d.outbox_id FROM {dead_letter} AS d
     WHERE %(full)s AND d.ordering_key IS NOT NULL
@@ -335,13 +345,65 @@ WITH dead_letters AS MATERIALIZED (
            array_agg(low ORDER BY ordering_key) AS lows
     FROM (SELECT ordering_key, min(outbox_id) AS low FROM dead_letters
           GROUP BY ordering_key) AS k
-), unparked AS MATERIALIZED (
+), past_keys AS MATERIALIZED (
+    -- The first row that is not parked, not of a dead key, and not of a key whose head is
+    -- parked (read from where the claim reads it).
     SELECT o.id FROM {outbox} AS o
     WHERE %(full)s AND o.id > %(after)s
       AND NOT (o.ordering_key IS NULL
                AND (o.attempts > 0 OR o.available_at > now() + %(park_horizon)s::interval))
       AND NOT coalesce(o.ordering_key = ANY((SELECT keys FROM dead)::text[]), false)
+      AND NOT (o.ordering_key IS NOT NULL
+               AND coalesce((SELECT h.attempts > 0
+                                    OR h.available_at > now() + %(park_horizon)s::interval
+                             FROM {outbox} AS h
+                             WHERE h.ordering_key IS NOT NULL
+                               AND (h.ordering_key, h.id)
+                                   > (o.ordering_key,
+                                      coalesce((%(held)s::jsonb ->> o.ordering_key)::bigint,
+                                               %(floor)s))
+                               AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
+                             ORDER BY h.ordering_key, h.id LIMIT 1), false))
     ORDER BY o.id LIMIT 1
+), parked_keys AS MATERIALIZED (
+    -- The keys of the rows that walk passed (each one's head is parked), and the keys held
+    -- already whose head still is: at most %(max_held)s, %(max_held_bytes)s bytes.
+    SELECT CASE WHEN count(*) <= %(max_held)s
+                     AND coalesce(sum(octet_length(key)), 0) <= %(max_held_bytes)s
+                THEN coalesce(array_agg(key ORDER BY key), '{{}}') END AS keys
+    FROM (SELECT r.key FROM (
+              -- OFFSET 0: the range's rows by the primary key, never the whole key index
+              -- (a partial one, which "ordering_key IS NOT NULL" here would let a plan read).
+              SELECT o.ordering_key AS key FROM {outbox} AS o
+              WHERE %(full)s AND o.id > %(after)s
+                AND o.id < coalesce((SELECT id FROM past_keys), 9223372036854775807)
+              OFFSET 0) AS r
+          WHERE r.key IS NOT NULL
+            AND NOT coalesce(r.key = ANY((SELECT keys FROM dead)::text[]), false)
+          UNION
+          SELECT k.key FROM jsonb_each_text(%(held)s::jsonb) AS k(key, low)
+          WHERE %(full)s
+            AND NOT coalesce(k.key = ANY((SELECT keys FROM dead)::text[]), false)
+            AND coalesce((SELECT h.attempts > 0
+                                 OR h.available_at > now() + %(park_horizon)s::interval
+                          FROM {outbox} AS h
+                          WHERE h.ordering_key IS NOT NULL
+                            AND (h.ordering_key, h.id) > (k.key, k.low::bigint)
+                            AND (h.ordering_key, h.id) <= (k.key, 9223372036854775807)
+                          ORDER BY h.ordering_key, h.id LIMIT 1), false)
+          LIMIT %(max_held)s + 1) AS k
+), unparked AS MATERIALIZED (
+    SELECT CASE WHEN (SELECT keys FROM parked_keys) IS NOT NULL
+                THEN (SELECT id FROM past_keys)
+                ELSE (SELECT o.id FROM {outbox} AS o
+                      WHERE o.id > %(after)s
+                        AND NOT (o.ordering_key IS NULL
+                                 AND (o.attempts > 0
+                                      OR o.available_at > now() + %(park_horizon)s::interval))
+                        AND NOT coalesce(o.ordering_key = ANY((SELECT keys FROM dead)::text[]),
+                                         false)
+                      ORDER BY o.id LIMIT 1) END AS id
+    WHERE %(full)s
 ), parked AS MATERIALIZED (
     SELECT min(o.id) AS low,
            min(extract(epoch FROM o.available_at)::float8) - extract(epoch FROM now())::float8
@@ -373,7 +435,8 @@ SELECT (SELECT o.id FROM {outbox} AS o
        (SELECT low FROM parked) AS parked_low,
        (SELECT due_in FROM parked) AS parked_due_in,
        (SELECT keys FROM dead) AS dead_keys,
-       (SELECT lows FROM dead) AS dead_lows;
+       (SELECT lows FROM dead) AS dead_lows,
+       (SELECT keys FROM parked_keys) AS parked_keys;
 
 -- name: dead_letter_claimed
 -- A claimed row that can never be published goes to the dead-letter table inside the claim
@@ -455,14 +518,15 @@ RETURNING outbox_id;
 
 -- name: stats
 -- Backlog size, lag, and the rows that will never be due, of the rows with ids above
--- %(after)s and below %(before)s, and the lowest id seen (lowest: NULL when none). Run on a
--- session of its own, on a thread of its own (outbox_relay/runtime/stats.py), never on the
+-- %(after)s and below %(before)s, and the lowest and highest id seen (NULL when none). Run on
+-- a session of its own, on a thread of its own (outbox_relay/runtime/stats.py), never on the
 -- batch or claim path:
 -- every stats_interval from a floor (the lowest id the last pass saw, less one), a walk of
 -- the primary key over about what was published since (the dead entries a held snapshot
 -- keeps below the floor are not visited again), and every FULL_STATS_INTERVAL from 0, one
 -- exact pass over the whole table (a count needs it), which finds what came back below the
--- floor (a late commit of an older id, a requeued dead letter's old id, a restored row).
+-- floor (a late commit of an older id, a requeued dead letter's old id, a restored row);
+-- stats_lowest, below, then says where the next passes start.
 -- - backlog: every row not yet published (claimed rows included, they are not published until
 --   their batch commits; rows a producer delayed too).
 -- - lag: how late the oldest of them is: its age counted from when it was due, its created_at,
@@ -475,34 +539,10 @@ RETURNING outbox_id;
 --   older row of its key (per-key order) is late too: its consumers wait for it.
 -- - never_due: rows delayed to the year 10000 or later ('infinity' included): the relay moves
 --   them to the dead-letter table (dead_letter_never_due).
--- - lowest_unparked: the lowest id of a row that is not parked (claim_frontier) and not of a
---   dead key (below): a relay whose claims' floor is at or above it has its next claim look
---   from below it (a row that came back below the floor, or a parked one a producer made due
---   or keyed since).
--- - lowest_due, highest: the lowest id of a row that is not a fresh one delayed over
---   %(park_horizon)s (before the year 10000: those go to the dead-letter table) and not of a
---   dead key, and the highest id.
---   The next passes may start past the delayed rows and the dead keys' rows below lowest_due
---   (all of them when it is NULL), which the full pass counts for them, with the oldest one's
---   lag (outbox_relay/postgres.py, outbox_stats): a scheduled event held back for a day, or
---   the rows waiting behind a poison event's dead letter, would otherwise have every pass
---   walk the dead entries a held snapshot keeps behind them.
--- - dead keys: the keys of the dead letters, as the claims' frontier reads them (the claims'
---   floor passes their rows too), when there are %(max_held)s such dead letters at most, with
---   %(max_held_bytes)s bytes of keys at most (NULL, none, otherwise): one read of that many
---   entries of the dead-letter key index, and a lookup in a jsonb object per keyed row.
 -- Per row, 1,458 instructions of PostgreSQL 15 where the backlog and lag alone took 1,155
--- (callgrind, docs/operations.md). created_at and available_at are a producer's columns: an
--- 'infinity' created_at is left out and the arithmetic is in float8, so no value can make
--- this fail.
-WITH dead AS MATERIALIZED (
-    SELECT CASE WHEN count(*) <= %(max_held)s
-                     AND coalesce(sum(octet_length(d.ordering_key)), 0) <= %(max_held_bytes)s
-                THEN coalesce(jsonb_object_agg(d.ordering_key, true), '{{}}') END AS keys
-    FROM (SELECT d.ordering_key FROM {dead_letter} AS d
-          WHERE d.ordering_key IS NOT NULL
-          LIMIT %(max_held)s + 1) AS d
-)
+-- (callgrind, docs/operations.md; measured when two lowest ids of stats_lowest were this
+-- aggregate's too). created_at and available_at are a producer's columns: an 'infinity'
+-- created_at is left out and the arithmetic is in float8, so no value can make this fail.
 SELECT count(*) AS backlog,
        extract(epoch FROM now())::float8
            - extract(epoch FROM min(CASE WHEN attempts > 0 THEN created_at
@@ -511,20 +551,88 @@ SELECT count(*) AS backlog,
                      FILTER (WHERE isfinite(created_at)))::float8 AS lag_seconds,
        count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due,
        min(id) AS lowest,
-       min(id) FILTER (WHERE NOT (ordering_key IS NULL
-                                  AND (attempts > 0
-                                       OR available_at > now() + %(park_horizon)s::interval))
-                         AND NOT (ordering_key IS NOT NULL
-                                  AND coalesce((SELECT keys FROM dead) ? ordering_key, false)))
-           AS lowest_unparked,
-       min(id) FILTER (WHERE (attempts > 0 OR available_at <= now() + %(park_horizon)s::interval
-                              OR available_at >= '10000-01-01 00:00:00+00')
-                         AND NOT (ordering_key IS NOT NULL
-                                  AND coalesce((SELECT keys FROM dead) ? ordering_key, false)))
-           AS lowest_due,
        max(id) AS highest
 FROM {outbox}
 WHERE id > %(after)s AND id < %(before)s;
+
+-- name: stats_lowest
+-- A full stats pass's second statement, in the same REPEATABLE READ snapshot as stats and with
+-- sequential scans off (outbox_relay/postgres.py, outbox_stats): each value a walk of the
+-- primary key in id order to the first row it wants, with a probe of outbox_key_idx for each
+-- keyed row it passes (its key's head, its oldest row). In the aggregate, these took a probe
+-- per keyed row of the table.
+-- - lowest_unparked: the lowest id of a row that is not parked, not of a dead key (below)
+--   and not of a parked key (claim_frontier): a relay whose claims' floor is at or above it
+--   has its next claim look from below it (a row that came back below the floor, or a parked
+--   one a producer made due or keyed since).
+-- - parked_keys, lowest_parked_key: the parked keys of the rows below lowest_unparked, each
+--   with its lowest id there (NULL past the frontier's bounds), and the lowest of those ids:
+--   the relay has its next claim look from below those of a key it does not hold.
+-- - lowest_due: the lowest id of a row that is not a fresh one delayed over
+--   %(park_horizon)s (before the year 10000: those go to the dead-letter table), not of a
+--   dead key, and not of a key whose head is such a delayed row.
+--   The next passes may start past the delayed rows and the held keys' rows below lowest_due
+--   (all of them when it is NULL), which the full pass counts for them, with the oldest one's
+--   lag (outbox_relay/postgres.py, outbox_stats): a scheduled event held back for a day, or
+--   the rows waiting behind a poison event's dead letter, would otherwise have every pass
+--   walk the dead entries a held snapshot keeps behind them.
+-- - dead keys: the keys of the dead letters, as the claims' frontier reads them (the claims'
+--   floor passes their rows too), when there are %(max_held)s such dead letters at most, with
+--   %(max_held_bytes)s bytes of keys at most (NULL, none, otherwise): one read of that many
+--   entries of the dead-letter key index, and a lookup in a jsonb object per keyed row
+--   walked.
+WITH dead AS MATERIALIZED (
+    SELECT CASE WHEN count(*) <= %(max_held)s
+                     AND coalesce(sum(octet_length(d.ordering_key)), 0) <= %(max_held_bytes)s
+                THEN coalesce(jsonb_object_agg(d.ordering_key, true), '{{}}') END AS keys
+    FROM (SELECT d.ordering_key FROM {dead_letter} AS d
+          WHERE d.ordering_key IS NOT NULL
+          LIMIT %(max_held)s + 1) AS d
+), unparked AS MATERIALIZED (
+    SELECT o.id FROM {outbox} AS o
+    WHERE NOT (o.ordering_key IS NULL
+               AND (o.attempts > 0 OR o.available_at > now() + %(park_horizon)s::interval))
+      AND NOT (o.ordering_key IS NOT NULL
+               AND (coalesce((SELECT keys FROM dead) ? o.ordering_key, false)
+                    OR coalesce((SELECT h.attempts > 0
+                                        OR h.available_at > now() + %(park_horizon)s::interval
+                                 FROM {outbox} AS h
+                                 WHERE h.ordering_key IS NOT NULL
+                                   AND (h.ordering_key, h.id) > (o.ordering_key, 0::bigint)
+                                   AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
+                                 ORDER BY h.ordering_key, h.id LIMIT 1), false)))
+    ORDER BY o.id LIMIT 1
+), parked_keys AS MATERIALIZED (
+    SELECT CASE WHEN count(*) <= %(max_held)s
+                     AND coalesce(sum(octet_length(key)), 0) <= %(max_held_bytes)s
+                THEN coalesce(jsonb_object_agg(key, low), '{{}}') END AS keys,
+           min(low) AS lowest
+    FROM (SELECT r.key, min(r.id) AS low
+          FROM (SELECT o.ordering_key AS key, o.id FROM {outbox} AS o  -- OFFSET 0: claim_frontier
+                WHERE o.id < coalesce((SELECT id FROM unparked), 9223372036854775807)
+                OFFSET 0) AS r
+          WHERE r.key IS NOT NULL AND NOT coalesce((SELECT keys FROM dead) ? r.key, false)
+          GROUP BY r.key) AS k
+), due AS MATERIALIZED (
+    SELECT o.id FROM {outbox} AS o
+    WHERE (o.attempts > 0 OR o.available_at <= now() + %(park_horizon)s::interval
+           OR o.available_at >= '10000-01-01 00:00:00+00')
+      AND NOT (o.ordering_key IS NOT NULL
+               AND (coalesce((SELECT keys FROM dead) ? o.ordering_key, false)
+                    OR coalesce((SELECT h.attempts <= 0
+                                        AND h.available_at > now() + %(park_horizon)s::interval
+                                        AND h.available_at < '10000-01-01 00:00:00+00'
+                                 FROM {outbox} AS h
+                                 WHERE h.ordering_key IS NOT NULL
+                                   AND (h.ordering_key, h.id) > (o.ordering_key, 0::bigint)
+                                   AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
+                                 ORDER BY h.ordering_key, h.id LIMIT 1), false)))
+    ORDER BY o.id LIMIT 1
+)
+SELECT (SELECT id FROM unparked) AS lowest_unparked,
+       (SELECT id FROM due) AS lowest_due,
+       (SELECT keys FROM parked_keys) AS parked_keys,
+       (SELECT lowest FROM parked_keys) AS lowest_parked_key;
 
 -- name: dead_letter_never_due
 -- Rows delayed to the year 10000 or later ('infinity' included) are never due: never published,

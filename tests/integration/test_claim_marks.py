@@ -221,6 +221,26 @@ def test_a_delayed_keyed_row_keeps_the_floor(
         claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
 
 
+def test_a_keyed_row_due_later_holds_its_key_and_goes_first_in_it_once_due(
+        env: Env, stores: Callable[[float], OutboxStore]) -> None:
+    """Due over PARK_HORIZON from now, it parks its key: held (its head reads start below
+    it), the floor passes the key's rows. The first look that finds it due within the
+    horizon lets the key go and looks from below it; its rows then go in order."""
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        inserted = time.monotonic()
+        delayed = add(conn, env, "k1", key="k", due_in=3.0)
+        second = add(conn, env, "k2", key="k")
+        add(conn, env, "now")
+        assert claim(relay, env) == ["now"]
+        assert relay.marks.held["k"] < delayed and relay.marks.floor >= second
+        add(conn, env, "k3", key="k")  # above the floor: waits too
+        assert claim(relay, env) == []
+        claimed_in_order(relay, env, ["k1", "k2", "k3"], seconds=6.0)
+        assert 3.0 <= time.monotonic() - inserted < 3.0 + SHORT + 0.5
+        assert relay.marks.held == {}
+
+
 def test_a_keyless_retry_below_the_floor_is_claimed_when_due(
         env: Env, stores: Callable[[float], OutboxStore]) -> None:
     """A retry is claimed by its available_at (outbox_retry_idx), not from the mark."""
@@ -238,7 +258,8 @@ def test_a_parked_row_made_due_is_seen_by_the_stats_full_pass(
         env: Env, stores: Callable[[float], OutboxStore]) -> None:
     """A producer's UPDATE brings a row due tomorrow to now, or gives it a key: no look from
     the floor passes it again, but the stats passes' full pass counts it in lowest_unparked,
-    and the relay lowers the floor below it (worker.py, _stats_pass)."""
+    or names its key as parked, and the relay lowers the floor below it (worker.py,
+    _stats_pass; ClaimMarks.check_floor)."""
     relay = stores(SHORT)
     tables = Tables(env.table)
     with env.connect() as conn:
@@ -259,9 +280,23 @@ def test_a_parked_row_made_due_is_seen_by_the_stats_full_pass(
         assert (stats.lowest, stats.lowest_unparked) == (tomorrow, tomorrow)
         time.sleep(SHORT)
         assert claim(relay, env) == []  # the looks from the floor do not see it
-        relay.marks.lower_floor(stats.lowest_unparked - 1)
+        relay.marks.check_floor(stats)
         assert claim(relay, env) == ["tomorrow"]
-        assert outbox_stats(conn, tables).lowest_unparked == keyed_later
+        # Keyed now and due tomorrow: its key's head is parked. The floor passed it with no
+        # key held: the stats name the key, and the look from below they ask for holds it.
+        stats = outbox_stats(conn, tables)
+        assert stats.lowest_unparked is None and stats.parked_keys == {"k": keyed_later}
+        relay.marks.check_floor(stats)
+        assert claim(relay, env) == []
+        assert "k" in relay.marks.held
+        time.sleep(SHORT)
+        add(conn, env, "other")  # a look that takes nothing moves nothing
+        assert claim(relay, env) == ["other"]
+        assert relay.marks.held["k"] < keyed_later <= relay.marks.floor
+        relay.marks.check_floor(outbox_stats(conn, tables))
+        assert relay.marks.start()[1] is False  # held now: nothing lowered
+        add(conn, env, "k-next", key="k")
+        assert claim(relay, env) == []  # behind its head, due tomorrow
 
 
 def test_a_key_held_by_another_relays_batch_is_claimed_once_it_commits(
@@ -290,8 +325,11 @@ def test_a_key_held_by_its_heads_retry_is_claimed_after_it(
         second = add(conn, env, "k2", key="k")
         add(conn, env, "free")
         assert claim(relay, env) == ["free"]
-        assert relay.marks.mark >= second > relay.marks.floor  # held back for long: stepped over
-        claim_until(relay, env, {"k1", "k2"}, seconds=5.0)
+        # Its head is parked: the key held (its head reads start below it), the floor past it.
+        assert relay.marks.mark >= second and relay.marks.floor >= second
+        assert relay.marks.held == {"k": 0}
+        claimed_in_order(relay, env, ["k1", "k2"], seconds=5.0)
+        assert relay.marks.held == {}
 
 
 def claimed_in_order(store: OutboxStore, env: Env, wanted: list[str], seconds: float) -> float:

@@ -33,7 +33,13 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox_relay.postgres import MAX_HELD_BYTES, MAX_HELD_KEYS, PARK_HORIZON, stats_params
+from outbox_relay.postgres import (
+    BOUNDED_STATS_SETUP,
+    MAX_HELD_BYTES,
+    MAX_HELD_KEYS,
+    PARK_HORIZON,
+    stats_params,
+)
 from outbox_relay.prepared import PreparedStatement
 from outbox_relay.relay import store
 from outbox_relay.relay.store import OutboxStore
@@ -127,6 +133,8 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
         # The full pass; the bounded one: test_stats_floor.py.
         "stats": stats_params(0),
+        "stats_lowest": {"park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
+                         "max_held_bytes": MAX_HELD_BYTES},
     }
 
 
@@ -213,7 +221,8 @@ def test_hot_statements_stay_linear_with_a_generic_plan_built_on_an_empty_table(
         statements = [Statement(claim_conn, tables, "claim")] + [
             Statement(main_conn, tables, name, store.BATCH_STATEMENTS_SETUP)
             for name in ("forget_delivered", "record_failures", "dead_letter_exhausted")
-        ] + [Statement(main_conn, tables, "stats")]
+        ] + [Statement(main_conn, tables, "stats"),
+             Statement(main_conn, tables, "stats_lowest", BOUNDED_STATS_SETUP)]
         for statement in statements:
             statement.build_plan(batch_params([1, 2, 3], [4, 5])[statement.name])
 
@@ -249,7 +258,8 @@ def test_hot_statements_stay_linear_with_a_generic_plan_built_on_an_empty_table(
             assert work(top) <= bound, f"{name} handles {work(top):,.0f} rows\n{plan}"
             assert plan["Execution Time"] < SECONDS_BOUND * 1000, f"{name}\n{plan}"
             expected = {"claim": BATCH, "forget_delivered": BATCH, "record_failures": BATCH,
-                        "dead_letter_exhausted": RETRY_ROWS, "stats": 1}[name]
+                        "dead_letter_exhausted": RETRY_ROWS, "stats": 1,
+                        "stats_lowest": 1}[name]
             assert rows_in(top) == expected, f"{name}\n{plan}"
 
 

@@ -200,6 +200,40 @@ def test_a_full_pass_puts_the_floor_past_a_dead_keys_rows_and_keeps_their_lag(
         assert (full.backlog, full.parked_below, full.lowest_unparked) == (2, 0, full.lowest)
 
 
+def test_a_full_pass_puts_the_floor_past_a_key_held_behind_its_delayed_head(
+        env: Env) -> None:
+    """An event scheduled for tomorrow with an ordering key holds its key's later rows, due
+    now: the full pass passes them too (the claims' floor does, holding the key), counts them,
+    and names the key for the relay's check of the claims' floor; once the head is due
+    within PARK_HORIZON, they count as any row."""
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        def add(name: str, key: str | None, due_in: float = 0.0, attempts: int = 0) -> int:
+            row = conn.execute(sql.SQL(
+                "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at,"
+                " attempts) VALUES (%s, 'k', %s, '{{}}', now() + make_interval(secs => %s), %s)"
+                " RETURNING id").format(tables.outbox), (name, key, due_in, attempts)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        head = add("head", "later", due_in=86400)
+        add("behind", "later")
+        retried = add("retried", "retry", due_in=86400, attempts=1)
+        add("behind-retry", "retry")
+        live = add("live", "alive")
+        full = postgres.outbox_stats(conn, tables)
+        # a retry is late: the stats pass it not (lowest), the claims' floor does (parked)
+        assert (full.backlog, full.lowest, full.parked_below) == (5, retried, 2)
+        assert full.lowest_unparked == live
+        assert full.parked_keys == {"later": head, "retry": retried}
+        assert full.lowest_parked_key == head
+        conn.execute(sql.SQL("UPDATE {} SET available_at = now() + interval '1 s' "
+                             "WHERE id = %s").format(tables.outbox), (head,))
+        full = postgres.outbox_stats(conn, tables)
+        assert (full.lowest, full.parked_below, full.lowest_unparked) == (head, 0, head)
+        assert full.parked_keys == {}
+
+
 def stats_backends(env: Env, name: str) -> int:
     with env.connect() as conn:
         row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",

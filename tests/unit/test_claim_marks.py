@@ -3,6 +3,7 @@ way a row comes back below the mark is in tests/integration/test_claim_marks.py.
 
 from __future__ import annotations
 
+from outbox_relay.model import OutboxStats
 from outbox_relay.relay.marks import MAX_PENDING, ClaimMarks
 
 
@@ -372,3 +373,55 @@ def test_a_held_keys_head_reads_start_below_the_id_its_dead_letter_gets_back() -
     marks.observe(after=49, full=True, writers=[], writers_after=[], claimed=[(60, True)],
                   waiting=None, first=None, dead_keys={"j": 7, "k": 55})
     assert marks.held == {"j": 6, "k": 49}
+
+
+def test_a_parked_keys_rows_are_passed_and_it_is_let_go_once_its_head_is_not() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(20, True)],
+                  waiting=None, first=None, dead_keys={"d": 3}, parked_keys=["d", "k"])
+    assert marks.held == {"d": 0, "k": 0} and marks.floor == 19
+    clock.now += 1.0
+    assert marks.start() == (19, True)
+    marks.observe(after=19, full=True, writers=[], writers_after=[], claimed=[(30, True)],
+                  waiting=None, first=None, dead_keys={"d": 3}, parked_keys=[])
+    assert marks.held == {"d": 0} and (marks.floor, marks.mark) == (0, 0)  # k: from below
+
+
+def test_more_parked_keys_than_held_let_them_go() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(9, True)],
+                  waiting=None, first=None, dead_keys={}, parked_keys=["k"])
+    clock.now += 1.0
+    marks.start()
+    marks.observe(after=8, full=True, writers=[], writers_after=[], claimed=[(12, True)],
+                  waiting=None, first=10, dead_keys={}, parked_keys=None)
+    assert marks.held == {} and marks.floor == 0
+
+
+def stats(*, unparked: int | None = None, parked_keys: dict[str, int] | None = None,
+          lowest_parked_key: int | None = None) -> OutboxStats:
+    return OutboxStats(0, 0.0, 0, None, unparked, parked_keys=parked_keys,
+                       lowest_parked_key=lowest_parked_key)
+
+
+def test_check_floor_lowers_it_under_a_row_no_look_from_it_would_see() -> None:
+    clock = Clock()
+    marks = ClaimMarks(interval=1.0, clock=clock)
+    marks.start()
+    marks.observe(after=0, full=True, writers=[], writers_after=[], claimed=[(20, True)],
+                  waiting=None, first=None, dead_keys={}, parked_keys=["held"])
+    assert marks.floor == 19
+    marks.check_floor(stats(parked_keys={"held": 5}, lowest_parked_key=5))
+    assert marks.start() == (20, False)  # a key held: its rows are passed on purpose
+    marks.check_floor(stats(unparked=25, parked_keys={"held": 5, "new": 30}))
+    assert marks.start() == (20, False)  # above the floor: the looks see them
+    marks.check_floor(stats(unparked=25, parked_keys={"held": 5, "new": 7}))
+    assert marks.start() == (6, True)  # a parked key not held, below the floor
+    marks.check_floor(stats(unparked=4, parked_keys={}))
+    assert marks.start() == (3, True)
+    marks.check_floor(stats(parked_keys=None, lowest_parked_key=2))  # over the bound
+    assert marks.start() == (1, True)

@@ -96,13 +96,16 @@ class Producer(threading.Thread):
 
     def _insert(self, conn: psycopg.Connection[Any], seq: int, count: int) -> None:
         """Events over 32 ordering keys, but one in 50 a scheduled event: no key, due 0-10 s
-        later (the claims' floor passes it while it waits: relay/marks.py)."""
+        later (the claims' floor passes it while it waits: relay/marks.py); and one in 1,000
+        a scheduled event with its key, due 3-10 s later, which holds its key's later events
+        until then (the floor passes them too, holding the key)."""
         with conn.transaction():
             conn.execute(
                 "INSERT INTO outbox (message_id, exchange, routing_key, ordering_key,"
                 " payload, available_at) SELECT 'c-' || n, %(ex)s, 'chaos', key,"
                 " jsonb_build_object('key', key, 'seq', n, 'pad', repeat('x', 160)),"
-                " now() + make_interval(secs => CASE WHEN key IS NULL THEN n %% 11 ELSE 0 END)"
+                " now() + make_interval(secs => CASE WHEN key IS NULL THEN n %% 11"
+                " WHEN n %% 1000 = 500 THEN 3 + n %% 8 ELSE 0 END)"
                 " FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) n,"
                 " LATERAL (SELECT CASE WHEN n %% 50 <> 25 THEN 'k' || (n %% 32) END AS key) k"
                 " ON CONFLICT (message_id) DO NOTHING",

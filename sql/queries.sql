@@ -540,8 +540,8 @@ RETURNING outbox_id;
 -- - never_due: rows delayed to the year 10000 or later ('infinity' included): the relay moves
 --   them to the dead-letter table (dead_letter_never_due).
 -- Per row, 1,458 instructions of PostgreSQL 15 where the backlog and lag alone took 1,155
--- (callgrind, docs/operations.md; measured when two lowest ids of stats_lowest were this
--- aggregate's too). created_at and available_at are a producer's columns: an 'infinity'
+-- (callgrind, docs/operations.md; measured when this aggregate also computed two of
+-- stats_lowest's ids). created_at and available_at are a producer's columns: an 'infinity'
 -- created_at is left out and the arithmetic is in float8, so no value can make this fail.
 SELECT count(*) AS backlog,
        extract(epoch FROM now())::float8

@@ -368,10 +368,12 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         row = conn.execute(query, stats_params(0)).fetchone()
         assert row is not None
+        if row[3] is None:
+            return _stats_row(row)  # no row
         conn.execute(BOUNDED_STATS_SETUP)  # walks of the primary key, not of the table
         lows = conn.execute(tables.query("stats_lowest"), {
-            "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
-            "max_held_bytes": MAX_HELD_BYTES}).fetchone()
+            "after": int(row[3]) - 1, "park_horizon": PARK_HORIZON,
+            "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES}).fetchone()
         assert lows is not None
         stats = dataclasses.replace(
             _stats_row(row), lowest_unparked=_optional(lows[0]),

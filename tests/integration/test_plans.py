@@ -133,7 +133,7 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
         # The full pass; the bounded one: test_stats_floor.py.
         "stats": stats_params(0),
-        "stats_lowest": {"park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
+        "stats_lowest": {"after": 0, "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
                          "max_held_bytes": MAX_HELD_BYTES},
     }
 
@@ -471,7 +471,8 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         env: Env, state: str, keyed: bool) -> None:
     """Issue 36: while a snapshot is held, every claimed row stays behind as a dead tuple and a
     dead index entry, in front of the due rows. The claim and its frontier start after the
-    relay's mark (relay/marks.py): the buffers they touch stay what a batch costs with no dead
+    relay's mark (relay/marks.py), the stats full pass's walks below the lowest id it saw
+    (stats_lowest): the buffers they touch stay what a batch costs with no dead
     entries at all, with 50 batches' worth of them in front; the same claim from the start
     of the primary key (the look from the floor when a row held back for long pins it at
     the start) visits every one of them. Plans built in each bad planner state, cached."""
@@ -483,14 +484,19 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claim_conn.execute("SET plan_cache_mode = force_generic_plan")
         claim = Statement(claim_conn, tables, "claim")
         frontier = Statement(claim_conn, tables, "claim_frontier")
+        # The stats full pass's walks, from below the lowest id it saw (not the claims').
+        lowest = Statement(claim_conn, tables, "stats_lowest", BOUNDED_STATS_SETUP)
         claim.build_plan(CLAIM)
         frontier.build_plan({**FRONTIER, "after": 0, "floor": 0, "full": False})
+        lowest.build_plan(batch_params([], [])["stats_lowest"])
 
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
         at = {**FRONTIER, "after": mark, "floor": mark}
+        walks = {**batch_params([], [])["stats_lowest"], "after": mark}
         alone = {"claim": buffers(claim.explain({**CLAIM, **at}, buffers=True)),
-                 "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True))}
+                 "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True)),
+                 "stats_lowest": buffers(lowest.explain(walks, buffers=True))}
 
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         holder.execute(sql.SQL("SELECT count(*) FROM {}").format(tables.outbox))  # held
@@ -510,11 +516,13 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claimed = claim.explain({**CLAIM, **at}, buffers=True)
         assert rows_in(claimed["Plan"]) == BATCH
         looked = frontier.explain({**at, "full": True}, buffers=True)
-        behind = {"claim": buffers(claimed), "frontier": buffers(looked)}
+        walked = lowest.explain(walks, buffers=True)
+        behind = {"claim": buffers(claimed), "frontier": buffers(looked),
+                  "stats_lowest": buffers(walked)}
+        plans = {"claim": claimed, "frontier": looked, "stats_lowest": walked}
         for name, used in behind.items():
             assert used <= 2 * alone[name] + 100, (
-                f"{name}: {used} buffers, {alone[name]} alone\n"
-                f"{_buffer_nodes(claimed if name == 'claim' else looked)}")
+                f"{name}: {used} buffers, {alone[name]} alone\n{_buffer_nodes(plans[name])}")
         from_start = claim.explain({**CLAIM, "after": 0, "floor": 0}, buffers=True)
         assert rows_in(from_start["Plan"]) == BATCH
         # What the test would see if the claim walked the dead entries (and each key's, per

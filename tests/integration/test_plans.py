@@ -516,7 +516,7 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claimed = claim.explain({**CLAIM, **at}, buffers=True)
         assert rows_in(claimed["Plan"]) == BATCH
         looked = frontier.explain({**at, "full": True}, buffers=True)
-        walked = lowest.explain(walks, buffers=True)
+        walked = lowest.explain({**walks, "after": mark}, buffers=True)
         behind = {"claim": buffers(claimed), "frontier": buffers(looked),
                   "stats_lowest": buffers(walked)}
         plans = {"claim": claimed, "frontier": looked, "stats_lowest": walked}

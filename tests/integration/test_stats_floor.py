@@ -122,6 +122,17 @@ def test_a_pass_from_the_floor_counts_as_the_full_one_and_a_full_one_finds_a_low
     assert {d.message_id for d in delivered} >= {"low"}
 
 
+def add_row(conn: psycopg.Connection[Any], tables: Tables, name: str, key: str | None = None,
+            *, due_in: float = 0.0, attempts: int = 0) -> int:
+    """One outbox row due ``due_in`` seconds from now; its id."""
+    row = conn.execute(sql.SQL(
+        "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at,"
+        " attempts) VALUES (%s, 'k', %s, '{{}}', now() + make_interval(secs => %s), %s)"
+        " RETURNING id").format(tables.outbox), (name, key, due_in, attempts)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def test_a_full_pass_puts_the_floor_past_the_rows_delayed_below_the_others(env: Env) -> None:
     """A scheduled event due tomorrow (its key or none) would keep the stats' floor below
     it, and every pass would walk from it (the dead entries a held snapshot keeps): the full
@@ -130,12 +141,7 @@ def test_a_full_pass_puts_the_floor_past_the_rows_delayed_below_the_others(env: 
     with env.connect() as conn:
         def add(name: str, *, due_in: float = 0.0, attempts: int = 0,
                 key: str | None = None) -> int:
-            row = conn.execute(sql.SQL(
-                "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at,"
-                " attempts) VALUES (%s, 'k', %s, '{{}}', now() + make_interval(secs => %s), %s)"
-                " RETURNING id").format(tables.outbox), (name, key, due_in, attempts)).fetchone()
-            assert row is not None
-            return int(row[0])
+            return add_row(conn, tables, name, key, due_in=due_in, attempts=attempts)
 
         add("tomorrow", due_in=86400)
         add("keyed-tomorrow", due_in=86400, key="k")
@@ -208,19 +214,11 @@ def test_a_full_pass_puts_the_floor_past_a_key_held_behind_its_delayed_head(
     within PARK_HORIZON, they count as any row."""
     tables = Tables(env.table)
     with env.connect() as conn:
-        def add(name: str, key: str | None, due_in: float = 0.0, attempts: int = 0) -> int:
-            row = conn.execute(sql.SQL(
-                "INSERT INTO {} (message_id, routing_key, ordering_key, payload, available_at,"
-                " attempts) VALUES (%s, 'k', %s, '{{}}', now() + make_interval(secs => %s), %s)"
-                " RETURNING id").format(tables.outbox), (name, key, due_in, attempts)).fetchone()
-            assert row is not None
-            return int(row[0])
-
-        head = add("head", "later", due_in=86400)
-        add("behind", "later")
-        retried = add("retried", "retry", due_in=86400, attempts=1)
-        add("behind-retry", "retry")
-        live = add("live", "alive")
+        head = add_row(conn, tables, "head", "later", due_in=86400)
+        add_row(conn, tables, "behind", "later")
+        retried = add_row(conn, tables, "retried", "retry", due_in=86400, attempts=1)
+        add_row(conn, tables, "behind-retry", "retry")
+        live = add_row(conn, tables, "live", "alive")
         full = postgres.outbox_stats(conn, tables)
         # a retry is late: the stats pass it not (lowest), the claims' floor does (parked)
         assert (full.backlog, full.lowest, full.parked_below) == (5, retried, 2)

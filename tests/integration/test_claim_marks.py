@@ -452,6 +452,30 @@ def test_more_dead_keys_than_held_keep_the_floor_below_them(
         assert relay.marks.held == {} and relay.marks.floor < head
 
 
+def test_more_parked_keys_than_held_keep_the_floor_below_the_first(
+        env: Env, stores: Callable[[float], OutboxStore],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_HELD_KEYS keys whose head is parked, none is held: the floor stays below the
+    first of their rows (a keyless parked row before it passed), as for every key before."""
+    relay = stores(SHORT)
+    with env.connect() as conn:
+        add(conn, env, "later", due_in=86400.0)  # keyless and parked: passed either way
+        first = add(conn, env, "k1", key="k", due_in=86400.0)
+        add(conn, env, "k2", key="k")
+        add(conn, env, "free")
+        assert claim(relay, env) == ["free"]
+        assert relay.marks.held == {"k": 0} and relay.marks.floor > first
+        monkeypatch.setattr("outbox_relay.relay.store.MAX_HELD_KEYS", 1)
+        add(conn, env, "j1", key="j", due_in=86400.0)
+        time.sleep(SHORT)
+        add(conn, env, "next")
+        assert claim(relay, env) == ["next"]  # the keys let go: a look from below them
+        time.sleep(SHORT)
+        add(conn, env, "last")
+        assert claim(relay, env) == ["last"]
+        assert relay.marks.held == {} and relay.marks.floor == first - 1
+
+
 def test_an_insert_begun_between_the_writers_read_and_the_snapshot_is_claimed(
         env: Env, stores: Callable[[float], OutboxStore]) -> None:
     """A producer's INSERT takes its id after the writers were read and before the claim's

@@ -365,21 +365,24 @@ WITH dead_letters AS MATERIALIZED (
                                AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
                              ORDER BY h.ordering_key, h.id LIMIT 1), false))
     ORDER BY o.id LIMIT 1
+), passed AS MATERIALIZED (
+    -- The keyed rows that walk passed, not of a dead key: each one's head is parked.
+    SELECT min(r.id) AS low, array_agg(DISTINCT r.key) AS keys FROM (
+        -- OFFSET 0: the range's rows by the primary key, never the whole key index (a
+        -- partial one, which "ordering_key IS NOT NULL" here would let a plan read).
+        SELECT o.id, o.ordering_key AS key FROM {outbox} AS o
+        WHERE %(full)s AND o.id > %(after)s
+          AND o.id < coalesce((SELECT id FROM past_keys), 9223372036854775807)
+        OFFSET 0) AS r
+    WHERE r.key IS NOT NULL
+      AND NOT coalesce(r.key = ANY((SELECT keys FROM dead)::text[]), false)
 ), parked_keys AS MATERIALIZED (
-    -- The keys of the rows that walk passed (each one's head is parked), and the keys held
-    -- already whose head still is: at most %(max_held)s, %(max_held_bytes)s bytes.
+    -- The keys of the rows that walk passed, and the keys held already whose head still is
+    -- parked: at most %(max_held)s, %(max_held_bytes)s bytes.
     SELECT CASE WHEN count(*) <= %(max_held)s
                      AND coalesce(sum(octet_length(key)), 0) <= %(max_held_bytes)s
                 THEN coalesce(array_agg(key ORDER BY key), '{{}}') END AS keys
-    FROM (SELECT r.key FROM (
-              -- OFFSET 0: the range's rows by the primary key, never the whole key index
-              -- (a partial one, which "ordering_key IS NOT NULL" here would let a plan read).
-              SELECT o.ordering_key AS key FROM {outbox} AS o
-              WHERE %(full)s AND o.id > %(after)s
-                AND o.id < coalesce((SELECT id FROM past_keys), 9223372036854775807)
-              OFFSET 0) AS r
-          WHERE r.key IS NOT NULL
-            AND NOT coalesce(r.key = ANY((SELECT keys FROM dead)::text[]), false)
+    FROM (SELECT unnest((SELECT keys FROM passed)) AS key
           UNION
           SELECT k.key FROM jsonb_each_text(%(held)s::jsonb) AS k(key, low)
           WHERE %(full)s
@@ -393,16 +396,11 @@ WITH dead_letters AS MATERIALIZED (
                           ORDER BY h.ordering_key, h.id LIMIT 1), false)
           LIMIT %(max_held)s + 1) AS k
 ), unparked AS MATERIALIZED (
+    -- Past the bounds, the first row that is not parked and not of a dead key, as before:
+    -- the first keyed row that walk passed, or the row it stopped at.
     SELECT CASE WHEN (SELECT keys FROM parked_keys) IS NOT NULL
                 THEN (SELECT id FROM past_keys)
-                ELSE (SELECT o.id FROM {outbox} AS o
-                      WHERE o.id > %(after)s
-                        AND NOT (o.ordering_key IS NULL
-                                 AND (o.attempts > 0
-                                      OR o.available_at > now() + %(park_horizon)s::interval))
-                        AND NOT coalesce(o.ordering_key = ANY((SELECT keys FROM dead)::text[]),
-                                         false)
-                      ORDER BY o.id LIMIT 1) END AS id
+                ELSE least((SELECT id FROM past_keys), (SELECT low FROM passed)) END AS id
     WHERE %(full)s
 ), parked AS MATERIALIZED (
     SELECT min(o.id) AS low,

@@ -371,9 +371,8 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         if row[3] is None:
             return _stats_row(row)  # no row
         conn.execute(BOUNDED_STATS_SETUP)  # walks of the primary key, not of the table
-        lows = conn.execute(tables.query("stats_lowest"), {
-            "after": int(row[3]) - 1, "park_horizon": PARK_HORIZON,
-            "max_held": MAX_HELD_KEYS, "max_held_bytes": MAX_HELD_BYTES}).fetchone()
+        lows = conn.execute(tables.query("stats_lowest"),
+                            stats_lowest_params(int(row[3]) - 1)).fetchone()
         assert lows is not None
         stats = dataclasses.replace(
             _stats_row(row), lowest_unparked=_optional(lows[0]),
@@ -394,6 +393,12 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
 def stats_params(after: int, before: int = (1 << 63) - 1) -> dict[str, Any]:
     """The stats query's parameters for the rows with ids above ``after``, below ``before``."""
     return {"after": after, "before": before}
+
+
+def stats_lowest_params(after: int) -> dict[str, Any]:
+    """stats_lowest's parameters: its walks start after ``after``."""
+    return {"after": after, "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
+            "max_held_bytes": MAX_HELD_BYTES}
 
 
 def _stats_row(row: Any) -> OutboxStats:

@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +60,11 @@ def fill(conn: psycopg.Connection[Any], rows: int) -> None:
 
 def full_pass() -> sql.Composed:
     """The stats query of a full pass (``after`` = 0: the whole table), the one this study
-    measures; the passes in between walk only the rows above their floor."""
+    measures (its aggregate; stats_lowest's walks, after it, stop at the first rows they
+    want); the passes in between walk only the rows above their floor."""
     text = Tables(TABLE).query("stats").as_string(None)
     for name, value in stats_params(0).items():
-        literal = (f"'{value.total_seconds():g} s'" if isinstance(value, timedelta)
-                   else str(value))
-        text = text.replace(f"%({name})s", literal)
+        text = text.replace(f"%({name})s", str(value))
     return sql.Composed([sql.SQL(text)])
 
 

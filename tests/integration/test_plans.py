@@ -38,6 +38,7 @@ from outbox_relay.postgres import (
     MAX_HELD_BYTES,
     MAX_HELD_KEYS,
     PARK_HORIZON,
+    stats_lowest_params,
     stats_params,
 )
 from outbox_relay.prepared import PreparedStatement
@@ -133,8 +134,7 @@ def batch_params(fresh_ids: list[int], retry_ids: list[int]) -> dict[str, dict[s
         "dead_letter_exhausted": {"ids": retry_ids, "max_attempts": 3},
         # The full pass; the bounded one: test_stats_floor.py.
         "stats": stats_params(0),
-        "stats_lowest": {"after": 0, "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
-                         "max_held_bytes": MAX_HELD_BYTES},
+        "stats_lowest": stats_lowest_params(0),
     }
 
 
@@ -488,12 +488,12 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         lowest = Statement(claim_conn, tables, "stats_lowest", BOUNDED_STATS_SETUP)
         claim.build_plan(CLAIM)
         frontier.build_plan({**FRONTIER, "after": 0, "floor": 0, "full": False})
-        lowest.build_plan(batch_params([], [])["stats_lowest"])
+        lowest.build_plan(stats_lowest_params(0))
 
         _insert(admin, tables.outbox, BATCH, keys=keys)
         mark = min(_ids(admin, tables, attempts=0)) - 1
         at = {**FRONTIER, "after": mark, "floor": mark}
-        walks = {**batch_params([], [])["stats_lowest"], "after": mark}
+        walks = stats_lowest_params(mark)
         alone = {"claim": buffers(claim.explain({**CLAIM, **at}, buffers=True)),
                  "frontier": buffers(frontier.explain({**at, "full": True}, buffers=True)),
                  "stats_lowest": buffers(lowest.explain(walks, buffers=True))}
@@ -516,7 +516,7 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         claimed = claim.explain({**CLAIM, **at}, buffers=True)
         assert rows_in(claimed["Plan"]) == BATCH
         looked = frontier.explain({**at, "full": True}, buffers=True)
-        walked = lowest.explain({**walks, "after": mark}, buffers=True)
+        walked = lowest.explain(stats_lowest_params(mark), buffers=True)
         behind = {"claim": buffers(claimed), "frontier": buffers(looked),
                   "stats_lowest": buffers(walked)}
         plans = {"claim": claimed, "frontier": looked, "stats_lowest": walked}

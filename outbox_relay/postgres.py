@@ -335,11 +335,20 @@ PARK_HORIZON = timedelta(seconds=2)
 MAX_HELD_KEYS = 100
 MAX_HELD_BYTES = 8192
 
+# A full stats pass reads the rows at or below the passes' floor by id when the aggregate
+# listed them (sql/queries.sql, stats_lowest): up to this many; past it, it walks from the
+# lowest row, every dead entry a held snapshot keeps above it included.
+MAX_LISTED = 10_000
+
 # The bounded stats pass (a lower bound above 0) walks the primary key from its floor: every
 # live row is above that floor, so the planner, counting on its statistics, would read the
 # whole table instead (and with it every dead tuple a held snapshot keeps). Sequential scans
 # off for that statement; JIT off, as the disabled scan's cost would otherwise compile it.
+# Bitmap scans off too: stats_lowest's walks in id order stop at their row, where a bitmap
+# scan reads the whole range and sorts it, with a key probe per row (a generic plan's choice
+# on a drained table's keyed statistics, test_plans.py).
 BOUNDED_STATS_SETUP = ("SELECT set_config('enable_seqscan', 'off', true), "
+                       "set_config('enable_bitmapscan', 'off', true), "
                        "set_config('jit', 'off', true)")
 
 
@@ -347,16 +356,19 @@ def _optional(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) -> OutboxStats:
+def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0,
+                 floor: int = 0) -> OutboxStats:
     """Backlog, lag and rows never due of the outbox rows with ids above ``after`` (0: the
     whole table), and the lowest id seen (sql/queries.sql, stats). ``conn``: autocommit.
 
     A full pass (``after`` 0) also reads where the next passes start and what the claims'
-    floor must look below (stats_lowest). When its lowest rows are delayed to a later time
-    (a scheduled event) or wait behind a dead letter or a delayed row of their key, it gives
-    as ``lowest`` the first other row, or past the last row: the next passes start there. The
-    rows below it are counted once more, in the same snapshot, as ``parked_below``, with
-    ``lag_below``, how late the oldest of them is (negative: not due yet)."""
+    floor must look below (stats_lowest): the rows at or below ``floor`` (where the last
+    passes had got to) by id, as the aggregate listed them, then a walk from there. When its
+    lowest rows are delayed to a later time (a scheduled event) or wait behind a dead letter
+    or a delayed row of their key, it gives as ``lowest`` the first other row, or past the
+    last row: the next passes start there. The rows below it are counted once more, in the
+    same snapshot, as ``parked_below``, with ``lag_below``, how late the oldest of them is
+    (negative: not due yet)."""
     query = tables.query("stats")
     if after > 0:
         with conn.transaction():
@@ -366,38 +378,44 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0) 
         return _stats_row(row)
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        row = conn.execute(query, stats_params(0)).fetchone()
+        row = conn.execute(query, stats_params(0, floor=floor)).fetchone()
         assert row is not None
         if row[3] is None:
             return _stats_row(row)  # no row
+        lowest = int(row[3])
+        listed = None if row[5] is None or floor < lowest else [int(i) for i in row[5]]
         conn.execute(BOUNDED_STATS_SETUP)  # walks of the primary key, not of the table
         lows = conn.execute(tables.query("stats_lowest"),
-                            stats_lowest_params(int(row[3]) - 1)).fetchone()
-        assert lows is not None
-        stats = dataclasses.replace(
-            _stats_row(row), lowest_unparked=_optional(lows[0]),
-            parked_keys=None if lows[2] is None else {
-                str(key): int(low) for key, low in lows[2].items()},
-            lowest_parked_key=_optional(lows[3]))
-        lowest_due, highest = _optional(lows[1]), _optional(row[4])
-        start = lowest_due if lowest_due is not None else (
-            None if highest is None else highest + 1)
-        if stats.lowest is None or start is None or start <= stats.lowest:
-            return stats
-        below = conn.execute(query, stats_params(0, before=start)).fetchone()
-        assert below is not None
-        return dataclasses.replace(stats, lowest=start, parked_below=int(below[0]),
-                                   lag_below=None if below[1] is None else float(below[1]))
+                            stats_lowest_params(lowest - 1, listed, floor)).fetchone()
+    assert lows is not None
+    stats = dataclasses.replace(
+        _stats_row(row), lowest_unparked=_optional(lows[0]),
+        parked_keys=None if lows[2] is None else {
+            str(key): int(low) for key, low in lows[2].items()},
+        lowest_parked_key=_optional(lows[3]))
+    lowest_due, highest = _optional(lows[1]), _optional(row[4])
+    start = lowest_due if lowest_due is not None else (
+        None if highest is None else highest + 1)
+    if start is None or start <= lowest:
+        return stats
+    return dataclasses.replace(stats, lowest=start, parked_below=int(lows[4]),
+                               lag_below=None if lows[5] is None else float(lows[5]))
 
 
-def stats_params(after: int, before: int = (1 << 63) - 1) -> dict[str, Any]:
-    """The stats query's parameters for the rows with ids above ``after``, below ``before``."""
-    return {"after": after, "before": before}
+def stats_params(after: int, *, floor: int = 0) -> dict[str, Any]:
+    """The stats query's parameters for the rows with ids above ``after``; it lists those at
+    or below ``floor`` (a full pass's, for stats_lowest)."""
+    return {"after": after, "floor": floor, "max_listed": MAX_LISTED}
 
 
-def stats_lowest_params(after: int) -> dict[str, Any]:
-    """stats_lowest's parameters: its walks start after ``after``."""
-    return {"after": after, "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
+def stats_lowest_params(after: int, listed: list[int] | None = None,
+                        floor: int = 0) -> dict[str, Any]:
+    """stats_lowest's parameters: it reads the rows ``listed`` (those at or below ``floor``,
+    None: not listed) by id and walks from the floor, or from ``after``, below the lowest
+    row, when they are not listed."""
+    walk_from = floor if listed is not None and floor > after else after
+    return {"floor": walk_from, "listed": listed if walk_from > after else [],
+            "park_horizon": PARK_HORIZON, "max_held": MAX_HELD_KEYS,
             "max_held_bytes": MAX_HELD_BYTES}
 
 
@@ -443,8 +461,8 @@ class StatsSession:
             conn.close()
 
     @translated
-    def stats(self, after: int) -> OutboxStats:
-        return outbox_stats(self.session, self.tables, after)
+    def stats(self, after: int, floor: int = 0) -> OutboxStats:
+        return outbox_stats(self.session, self.tables, after, floor)
 
 
 def finish_prepared(conn: psycopg.Connection[Any], gid: str, *, commit: bool) -> bool:

@@ -727,7 +727,7 @@ class Relay(Loop):
         (ClaimMarks.check_floor)."""
         source = self._stats_session.get()
         after, full = self._stats_floor.start()
-        stats = source.stats(after)
+        stats = source.stats(after, self._stats_floor.floor)
         backlog, lag = self._stats_floor.export(stats, full=full)
         self.metrics.backlog.set(backlog)
         self.metrics.lag.set(lag)

@@ -268,7 +268,7 @@ class Resolver(Loop):
         source = self._stats_session.get()
         after, full = self._stats_floor.start()
         try:
-            stats = source.stats(after)
+            stats = source.stats(after, self._stats_floor.floor)
             blocked = source.blocked_keys()
         except DatabaseError as exc:
             if exc.sqlstate not in UNREADABLE_TABLE:

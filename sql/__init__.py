@@ -27,10 +27,23 @@ def parse_named(text: str) -> dict[str, str]:
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
+def expand_fragments(named: dict[str, str]) -> dict[str, str]:
+    """The sections whose name does not start with ``_``, each ``{_name}`` in them replaced by
+    the section ``_name`` (a fragment: a predicate two walks share, written once)."""
+    fragments = {name: body for name, body in named.items() if name.startswith("_")}
+    expanded = {}
+    for name, body in named.items():
+        if not name.startswith("_"):
+            for fragment, value in fragments.items():
+                body = body.replace(f"{{{fragment}}}", value)
+            expanded[name] = body
+    return expanded
+
+
 @cache
 def queries() -> dict[str, str]:
-    """The programs' named queries (``queries.sql``)."""
-    return parse_named(text("queries.sql"))
+    """The programs' named queries (``queries.sql``), their fragments in place."""
+    return expand_fragments(parse_named(text("queries.sql")))
 
 
 @cache

@@ -16,7 +16,10 @@ and every pass would walk the dead entries behind it): the passes until the next
 the full pass's count of them to the backlog, and see one that came due (its lag) at the next
 full pass. The same for the rows waiting behind a dead letter of their key (a poison event's:
 they stay until someone requeues or discards it), which are late already: the passes in
-between export the oldest one's lag too, grown from what the full pass saw.
+between export the oldest one's lag too, grown from what the full pass saw. A full pass is
+given the floor too: its aggregate lists the rows at or below it (those held back there), and
+the walks that find where the next passes start read those by id and start at the floor, not
+at the lowest row, below every dead entry a held snapshot keeps (postgres.outbox_stats).
 
 The passes run on a daemon thread with a session of their own (``StatsPasses``), so a slow
 pass never delays a batch or a resolution; the thread sets the gauges itself (prometheus-client
@@ -192,7 +195,7 @@ class StatsSource(Protocol):
     def connected(self) -> bool: ...
     def connect(self) -> None: ...
     def close(self) -> None: ...
-    def stats(self, after: int) -> OutboxStats: ...
+    def stats(self, after: int, floor: int = 0) -> OutboxStats: ...
 
 
 Source = TypeVar("Source", bound=StatsSource)

@@ -532,6 +532,60 @@ def test_the_claims_work_stays_bounded_by_the_batch_while_a_snapshot_is_held(
         holder.rollback()
 
 
+@pytest.mark.parametrize("state", STATES)
+def test_the_stats_full_pass_reads_the_rows_held_below_its_floor_by_id(
+        env: Env, state: str) -> None:
+    """A scheduled event with an ordering key, and its key's next row behind it, lie below
+    every dead entry a held snapshot keeps: the full pass's stats_lowest reads the rows at or
+    below the passes' floor by id, as the stats aggregate listed them, and walks from the
+    floor. Its buffers stay what they are with no dead entries; the same walks from the
+    lowest row (past MAX_LISTED rows there) visit every one of them. Plans built in each bad
+    planner state, cached; the answers the same either way."""
+    tables = Tables(env.table)
+    with env.connect() as admin, env.connect() as conn, env.connect() as holder:
+        _set_state(admin, tables, state)
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        lowest = Statement(conn, tables, "stats_lowest", BOUNDED_STATS_SETUP)
+        lowest.build_plan(stats_lowest_params(0))
+        held = [row[0] for row in admin.execute(sql.SQL(
+            "INSERT INTO {} (routing_key, ordering_key, payload, available_at) "
+            "VALUES ('k', 'parked', '{{}}', now() + interval '1 day'), "
+            "('k', 'parked', '{{}}', now()) RETURNING id").format(tables.outbox))]
+        _insert(admin, tables.outbox, BATCH, keys=KEYS)
+        floor = min(_ids(admin, tables, attempts=0)[2:]) - 1
+        listed = stats_lowest_params(held[0] - 1, held, floor)
+        alone = buffers(lowest.explain(listed, buffers=True))
+
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(tables.outbox))  # held
+        _insert(admin, tables.outbox, HELD_DEAD, keys=KEYS)
+        admin.execute(sql.SQL("DELETE FROM {} WHERE id > %s").format(tables.outbox),
+                      (held[1],))  # claimed, all but the key held behind its scheduled head
+        admin.execute(sql.SQL("VACUUM {}").format(tables.outbox))  # removes none of them
+        pages = admin.execute("SELECT pg_relation_size(%s::regclass) / 8192",
+                              (tables.outbox.as_string(admin),)).fetchone()
+        assert pages is not None
+        _insert(admin, tables.outbox, BATCH, keys=KEYS)
+        floor = min(_ids(admin, tables, attempts=0)[2:]) - 1
+        with admin.transaction():
+            row = admin.execute(tables.query("stats"), stats_params(0, floor=floor)).fetchone()
+        assert row is not None and sorted(row[5]) == held  # the aggregate lists them
+        listed = stats_lowest_params(held[0] - 1, sorted(row[5]), floor)
+        walked = lowest.explain(listed, buffers=True)
+        assert buffers(walked) <= 2 * alone + 100, (
+            f"{buffers(walked)} buffers, {alone} alone\n{_buffer_nodes(walked)}")
+        from_lowest = lowest.explain(stats_lowest_params(held[0] - 1), buffers=True)
+        assert buffers(from_lowest) >= buffers(walked) + pages[0] // 2, (
+            buffers(from_lowest), buffers(walked), pages[0])
+        answers = [admin.execute(tables.query("stats_lowest"), params).fetchone()
+                   for params in (listed, stats_lowest_params(held[0] - 1))]
+        assert answers[0] is not None and answers[1] is not None
+        assert answers[0][:5] == answers[1][:5]  # the last, a lag, is the time of each
+        assert answers[0][1] == floor + 1  # lowest_due
+        assert (answers[0][2], answers[0][4]) == ({"parked": held[0]}, 2)
+        holder.rollback()
+
+
 def _buffer_nodes(explained: dict[str, Any]) -> str:
     return "\n".join(f"{n['Node Type']} {n.get('Index Name', '')} {n.get('Index Cond', '')} "
                      f"{n.get('Filter', '')[:80]} hit={n['Shared Hit Blocks']} "

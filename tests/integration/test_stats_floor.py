@@ -232,6 +232,53 @@ def test_a_full_pass_puts_the_floor_past_a_key_held_behind_its_delayed_head(
         assert full.parked_keys == {}
 
 
+def test_a_full_pass_answers_the_same_whatever_floor_it_is_given(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full pass reads the rows at or below the passes' floor by id, as its aggregate
+    listed them, and walks from the floor (a held snapshot's dead entries behind a scheduled
+    event are not walked); past MAX_LISTED such rows, it walks from the lowest row. Every
+    floor, listed or not, gives what a pass from 0 gives."""
+    tables = Tables(env.table)
+    with env.connect() as conn:
+        conn.execute(sql.SQL(
+            "INSERT INTO {} (message_id, exchange, routing_key, ordering_key, payload, headers,"
+            " created_at, attempts, last_error) VALUES ('poison', '', 'k', 'dead', '{{}}', "
+            "'{{}}', now(), 1, 'unroutable')").format(tables.dead_letter))
+        ids = [add_row(conn, tables, "tomorrow", due_in=86400),
+               add_row(conn, tables, "head", "later", due_in=86400),
+               add_row(conn, tables, "behind", "later"),
+               add_row(conn, tables, "dead-key", "dead"),
+               add_row(conn, tables, "retried", "retry", due_in=86400, attempts=1),
+               add_row(conn, tables, "behind-retry", "retry"),
+               add_row(conn, tables, "never", due_in=1e12),
+               add_row(conn, tables, "due"),
+               add_row(conn, tables, "alive", "alive"),
+               add_row(conn, tables, "later-again", due_in=3600)]
+
+        def shape(found: OutboxStats) -> tuple[Any, ...]:
+            return (found.backlog, found.never_due, found.lowest, found.lowest_unparked,
+                    found.parked_below, found.parked_keys, found.lowest_parked_key,
+                    found.lag_below is None)
+
+        expected = postgres.outbox_stats(conn, tables)
+        assert (expected.lowest, expected.lowest_unparked, expected.parked_below) == (
+            ids[4], ids[7], 4)
+        for max_listed in (postgres.MAX_LISTED, 1):
+            monkeypatch.setattr(postgres, "MAX_LISTED", max_listed)
+            for floor in range(ids[0] - 1, ids[-1] + 2):
+                found = postgres.outbox_stats(conn, tables, 0, floor)
+                assert shape(found) == shape(expected), (max_listed, floor)
+                assert abs(found.lag - expected.lag) < 5.0
+        # A row that comes back below the floor is read: it lowers what the pass gives.
+        conn.execute(sql.SQL("UPDATE {} SET available_at = now() WHERE id = %s").format(
+            tables.outbox), (ids[0],))
+        for max_listed in (1, 100):
+            monkeypatch.setattr(postgres, "MAX_LISTED", max_listed)
+            found = postgres.outbox_stats(conn, tables, 0, ids[-1])
+            assert (found.lowest, found.lowest_unparked, found.parked_below) == (
+                ids[0], ids[0], 0)
+
+
 def stats_backends(env: Env, name: str) -> int:
     with env.connect() as conn:
         row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",

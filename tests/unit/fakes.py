@@ -627,7 +627,7 @@ class FakeStatsSession(_Scripted):
     def _translate(self, exc: BaseException) -> BaseException:
         return translate(exc) if isinstance(exc, psycopg.Error) else exc
 
-    def stats(self, after: int) -> OutboxStats:
+    def stats(self, after: int, floor: int = 0) -> OutboxStats:
         """The rows above ``after`` (claimed ones included: not published yet), as the query."""
         fault = self._enter("stats", "stats", after=after)
         store = self.store
@@ -798,7 +798,7 @@ class FakeResolverStatsSession:
     def close(self) -> None:
         self.is_connected = False
 
-    def stats(self, after: int) -> OutboxStats:
+    def stats(self, after: int, floor: int = 0) -> OutboxStats:
         if not self.is_connected:
             raise ProtocolViolation("stats on a closed session")
         backlog, lag = self.store.outbox_stats()

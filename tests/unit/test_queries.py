@@ -13,7 +13,7 @@ from outbox_relay import postgres
 from outbox_relay import sql as sql_files
 from outbox_relay.prepared import PreparedStatement, numbered
 from outbox_relay.schema import schema_sql
-from outbox_relay.sql import parse_named
+from outbox_relay.sql import expand_fragments, parse_named
 from outbox_relay.tables import Tables, table_name
 from tests.conftest import package_sources
 
@@ -27,7 +27,7 @@ def used_query_names() -> set[str]:
 
 
 def queries() -> dict[str, str]:
-    return parse_named((ROOT / "sql" / "queries.sql").read_text())
+    return expand_fragments(parse_named((ROOT / "sql" / "queries.sql").read_text()))
 
 
 # -- parse_named ------------------------------------------------------------------------------
@@ -45,6 +45,24 @@ def test_parse_named_needs_the_marker_at_line_start() -> None:
 
 def test_parse_named_of_empty_text_is_empty() -> None:
     assert parse_named("") == {}
+
+
+def test_fragments_stand_where_queries_name_them_and_are_no_queries() -> None:
+    named = parse_named("-- name: _even\n-- a comment\nn % 2 = 0\n\n"
+                        "-- name: q\nSELECT 1 WHERE ({_even}) OR NOT ({_even});\n")
+
+    assert expand_fragments(named) == {
+        "q": "SELECT 1 WHERE (-- a comment\nn % 2 = 0) OR NOT (-- a comment\nn % 2 = 0);"}
+
+
+def test_every_fragment_is_used_and_no_placeholder_is_left() -> None:
+    named = parse_named((ROOT / "sql" / "queries.sql").read_text())
+    fragments = {name for name in named if name.startswith("_")}
+
+    assert fragments  # stats_lowest's walks share theirs
+    for fragment in fragments:
+        assert any(f"{{{fragment}}}" in body for body in named.values()), fragment
+    assert not any("{_" in body for body in queries().values())
 
 
 def test_every_query_used_by_the_code_is_defined() -> None:

@@ -29,15 +29,20 @@ def parse_named(text: str) -> dict[str, str]:
 
 def expand_fragments(named: dict[str, str]) -> dict[str, str]:
     """The sections whose name does not start with ``_``, each ``{_name}`` in them replaced by
-    the section ``_name`` (a fragment: a predicate two walks share, written once)."""
+    the section ``_name`` (a fragment: a predicate two walks share, written once), which may
+    name fragments too."""
     fragments = {name: body for name, body in named.items() if name.startswith("_")}
-    expanded = {}
-    for name, body in named.items():
-        if not name.startswith("_"):
-            for fragment, value in fragments.items():
-                body = body.replace(f"{{{fragment}}}", value)
-            expanded[name] = body
-    return expanded
+
+    def expand(body: str) -> str:
+        for _ in range(len(fragments) + 1):
+            named_here = [name for name in fragments if f"{{{name}}}" in body]
+            if not named_here:
+                return body
+            for name in named_here:
+                body = body.replace(f"{{{name}}}", fragments[name])
+        raise ValueError("queries.sql: fragments that name each other in a cycle")
+
+    return {name: expand(body) for name, body in named.items() if not name.startswith("_")}
 
 
 @cache

@@ -671,14 +671,7 @@ AND NOT (o.ordering_key IS NOT NULL
               OR coalesce((SELECT h.attempts <= 0
                                   AND h.available_at > now() + %(park_horizon)s::interval
                                   AND h.available_at < '10000-01-01 00:00:00+00'
-                           FROM {outbox} AS h
-                           WHERE h.ordering_key IS NOT NULL
-                             AND (h.ordering_key, h.id)
-                                 > (o.ordering_key,
-                                    coalesce(((SELECT keys FROM listed_heads)
-                                              ->> o.ordering_key)::bigint - 1, %(floor)s))
-                             AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
-                           ORDER BY h.ordering_key, h.id LIMIT 1), false)))
+                           {_key_head}), false)))
 
 -- name: _unparked_row
 -- (stats_lowest's lowest_unparked, in its two reads) A row o that is not parked, not of a
@@ -689,14 +682,18 @@ AND NOT (o.ordering_key IS NOT NULL
          AND (coalesce((SELECT keys FROM dead) ? o.ordering_key, false)
               OR coalesce((SELECT h.attempts > 0
                                   OR h.available_at > now() + %(park_horizon)s::interval
-                           FROM {outbox} AS h
-                           WHERE h.ordering_key IS NOT NULL
-                             AND (h.ordering_key, h.id)
-                                 > (o.ordering_key,
-                                    coalesce(((SELECT keys FROM listed_heads)
-                                              ->> o.ordering_key)::bigint - 1, %(floor)s))
-                             AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
-                           ORDER BY h.ordering_key, h.id LIMIT 1), false)))
+                           {_key_head}), false)))
+
+-- name: _key_head
+-- (_due_row's and _unparked_row's) The head h of row o's key: its oldest row, from the key's
+-- lowest listed row or from the floor (listed_heads), one probe of outbox_key_idx.
+FROM {outbox} AS h
+WHERE h.ordering_key IS NOT NULL
+  AND (h.ordering_key, h.id)
+      > (o.ordering_key,
+         coalesce(((SELECT keys FROM listed_heads) ->> o.ordering_key)::bigint - 1, %(floor)s))
+  AND (h.ordering_key, h.id) <= (o.ordering_key, o.id)
+ORDER BY h.ordering_key, h.id LIMIT 1
 
 -- name: dead_letter_never_due
 -- Rows delayed to the year 10000 or later ('infinity' included) are never due: never published,

@@ -55,6 +55,15 @@ def test_fragments_stand_where_queries_name_them_and_are_no_queries() -> None:
         "q": "SELECT 1 WHERE (-- a comment\nn % 2 = 0) OR NOT (-- a comment\nn % 2 = 0);"}
 
 
+def test_fragments_may_name_fragments_but_not_in_a_cycle() -> None:
+    named = parse_named("-- name: _a\nx = 1 AND {_b}\n-- name: _b\ny = 2\n"
+                        "-- name: q\nSELECT 1 WHERE {_a};\n")
+
+    assert expand_fragments(named) == {"q": "SELECT 1 WHERE x = 1 AND y = 2;"}
+    with pytest.raises(ValueError, match="cycle"):
+        expand_fragments({"_a": "{_b}", "_b": "{_a}", "q": "{_a}"})
+
+
 def test_every_fragment_is_used_and_no_placeholder_is_left() -> None:
     named = parse_named((ROOT / "sql" / "queries.sql").read_text())
     fragments = {name for name in named if name.startswith("_")}

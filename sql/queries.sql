@@ -562,15 +562,14 @@ WHERE id > %(after)s;
 -- A full stats pass's second statement, in the same REPEATABLE READ snapshot as stats and with
 -- sequential scans off (outbox_relay/postgres.py, outbox_stats): each value the first row it
 -- wants in id order, with a probe of outbox_key_idx for each keyed row it passes (its key's
--- head, its oldest row: listed_heads). The rows it reads
--- (scan): those at or below %(floor)s by id, as stats listed them (%(listed)s: where the
--- passes had got to, the rows held back below it, and any that came back there), and a walk
--- of the primary key from there. A held snapshot keeps the dead entries of every row
--- published meanwhile, and a row held back for long (a scheduled event, a poison event's key)
--- lies below them all: walks from the lowest row took 0.8 s a full pass after 10 minutes at
--- 2,000 events/s, in the relay and in the resolver, and raised p99 with them. Past
--- MAX_LISTED rows at or below the floor (outbox_relay/postgres.py), stats lists none, and
--- %(floor)s is below the lowest row stats saw.
+-- head, its oldest row: listed_heads). The rows it reads: those at or below %(floor)s by id,
+-- as stats listed them (%(listed)s: where the passes had got to, the rows held back below
+-- it, and any that came back there), and a walk of the primary key from there. A held
+-- snapshot keeps the dead entries of every row published meanwhile, and a row held back for
+-- long (a scheduled event, a poison event's key) lies below them all: walks from the lowest
+-- row took 0.8 s a full pass after 10 minutes at 2,000 events/s, in the relay and in the
+-- resolver, and raised p99 with them. Past MAX_LISTED rows at or below the floor
+-- (outbox_relay/postgres.py), stats lists none, and %(floor)s is below the lowest row.
 -- - lowest_unparked: the lowest id of a row that is not parked, not of a dead key (below)
 --   and not of a parked key (claim_frontier): a relay whose claims' floor is at or above it
 --   has its next claim look from below it (a row that came back below the floor, or a parked

@@ -383,7 +383,7 @@ def outbox_stats(conn: psycopg.Connection[Any], tables: Tables, after: int = 0,
         if row[3] is None:
             return _stats_row(row)  # no row
         lowest = int(row[3])
-        listed = None if row[5] is None or floor < lowest else [int(i) for i in row[5]]
+        listed = None if row[5] is None else [int(i) for i in row[5]]
         conn.execute(BOUNDED_STATS_SETUP)  # walks of the primary key, not of the table
         lows = conn.execute(tables.query("stats_lowest"),
                             stats_lowest_params(lowest - 1, listed, floor)).fetchone()

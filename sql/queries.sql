@@ -542,11 +542,7 @@ RETURNING outbox_id;
 -- stats_lowest's ids). created_at and available_at are a producer's columns: an 'infinity'
 -- created_at is left out and the arithmetic is in float8, so no value can make this fail.
 SELECT count(*) AS backlog,
-       extract(epoch FROM now())::float8
-           - extract(epoch FROM min(CASE WHEN attempts > 0 THEN created_at
-                                         ELSE greatest(created_at, available_at)
-                                    END)
-                     FILTER (WHERE isfinite(created_at)))::float8 AS lag_seconds,
+       {_lag_seconds} AS lag_seconds,
        count(*) FILTER (WHERE available_at >= '10000-01-01 00:00:00+00') AS never_due,
        min(id) AS lowest,
        max(id) AS highest,
@@ -555,8 +551,17 @@ SELECT count(*) AS backlog,
        -- %(max_listed)s at most; stats_lowest reads them by id and walks from the floor.
        CASE WHEN count(*) FILTER (WHERE id <= %(floor)s) <= %(max_listed)s
             THEN coalesce(array_agg(id) FILTER (WHERE id <= %(floor)s), '{{}}') END AS listed
-FROM {outbox}
+FROM {outbox} AS o
 WHERE id > %(after)s;
+
+-- name: _lag_seconds
+-- (stats' lag_seconds, and stats_lowest's of the rows below lowest_due) How late the oldest
+-- row o is, as stats describes it.
+extract(epoch FROM now())::float8
+    - extract(epoch FROM min(CASE WHEN o.attempts > 0 THEN o.created_at
+                                  ELSE greatest(o.created_at, o.available_at)
+                             END)
+              FILTER (WHERE isfinite(o.created_at)))::float8
 
 -- name: stats_lowest
 -- A full stats pass's second statement, in the same REPEATABLE READ snapshot as stats and with
@@ -582,7 +587,7 @@ WHERE id > %(after)s;
 --   dead key, and not of a key whose head is such a delayed row.
 --   The next passes may start past the delayed rows and the held keys' rows below lowest_due
 --   (all of them when it is NULL), which the full pass counts for them (below: their number,
---   and the oldest one's lag as stats computes lag_seconds): a scheduled event held back for
+--   and the oldest one's lag, _lag_seconds): a scheduled event held back for
 --   a day, or the rows waiting behind a poison event's dead letter, would otherwise have
 --   every pass walk the dead entries a held snapshot keeps behind them.
 -- - dead keys: the keys of the dead letters, as the claims' frontier reads them (the claims'
@@ -643,12 +648,7 @@ WITH dead AS MATERIALIZED (
           WHERE r.key IS NOT NULL AND NOT coalesce((SELECT keys FROM dead) ? r.key, false)
           GROUP BY r.key) AS k
 ), below AS MATERIALIZED (
-    SELECT count(*) AS rows,
-           extract(epoch FROM now())::float8
-               - extract(epoch FROM min(CASE WHEN o.attempts > 0 THEN o.created_at
-                                             ELSE greatest(o.created_at, o.available_at)
-                                        END)
-                         FILTER (WHERE isfinite(o.created_at)))::float8 AS lag_seconds
+    SELECT count(*) AS rows, {_lag_seconds} AS lag_seconds
     FROM scan AS o
     WHERE o.id < coalesce((SELECT id FROM due), 9223372036854775807)
 )

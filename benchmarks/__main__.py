@@ -128,10 +128,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --bloat/--snapshot: before the snapshot, a producer inserts two events of "
         "one ordering key, the first one the relay dead-letters (its routing key is too long), "
         "the second held behind it for the whole run; both deleted at its end")
-    add("--delayed-key", action="store_true",
+    add("--delayed-key", dest="delayed_keys", action="store_const", const=1, default=0,
         help="with --bloat/--snapshot: before the snapshot, a producer inserts two events of "
         "one ordering key, the first due in a day, the second due at once and held behind it "
-        "for the whole run; both deleted at its end")
+        "for the whole run; both deleted at its end (--delayed-keys 1)")
+    add("--delayed-keys", type=int, metavar="N",
+        help="with --bloat/--snapshot: the same for N ordering keys (a reminder per customer; "
+        "past 100 the relay holds no more of them)")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
@@ -156,6 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, help="JSON results (default: results/bench.json or soak.json)")
     add("--chart", type=Path, help="PNG chart (default: next to --out); 'none' for no chart")
     args = parser.parse_args(argv)
+    if args.delayed_keys < 0:
+        parser.error("--delayed-keys: N must be 0 or more")
     if args.snapshot is not None:
         args.bloat, args.bloat_seconds = True, args.snapshot * 60
     if args.smoke:
@@ -298,7 +303,7 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
             hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
             bucket=60.0 if args.bloat_seconds >= 120 else 2.0, delayed_row=args.delayed_row,
-            blocked_key=args.blocked_key, delayed_key=args.delayed_key)
+            blocked_key=args.blocked_key, delayed_keys=args.delayed_keys)
         bloat.print_table(results["bloat"])
     if args.outage:
         results["outage"] = outage.run(

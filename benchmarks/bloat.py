@@ -25,9 +25,11 @@ its end: a row held back for long, below every row the relay claims meanwhile. W
 inserted just before the snapshot, the first with a routing key longer than AMQP allows (the
 relay moves it to the dead-letter table as it claims it), the second waiting behind that dead
 letter (per-key order) until the run deletes both at its end: a poison keyed event, as it stays
-until someone requeues or discards it. With ``delayed_key`` (``--delayed-key``), a scheduled
-event with an ordering key, due in a day, and a second event of its key due at once, waiting
-behind it (per-key order) until the run deletes both at its end.
+until someone requeues or discards it. With ``delayed_keys`` N (``--delayed-keys N``;
+``--delayed-key`` is 1), N ordering keys each with a scheduled event due in a day and a second
+event of its key due at once, waiting behind it (per-key order) until the run deletes them at
+its end: a reminder per customer. Past the relay's limit of held keys (100) the claims' floor
+stays below them.
 """
 
 from __future__ import annotations
@@ -120,12 +122,14 @@ VALUES ('bloat-blocked-0', %(exchange)s, repeat('r', 300), 'bloat-blocked', '{}'
 """
 
 
-# A scheduled keyed event (--delayed-key): due in a day; the second of its key waits behind it.
-_DELAYED_KEY = """
+# Scheduled keyed events (--delayed-keys N): per key, one due in a day and one due at once that
+# waits behind it; key n's rows are 'bloat-delayed-key-n-0' and '-1'.
+_DELAYED_KEYS = """
 INSERT INTO outbox (message_id, exchange, routing_key, ordering_key, payload, available_at)
-VALUES ('bloat-delayed-key-0', %(exchange)s, %(routing)s, 'bloat-delayed-key', '{}',
-        now() + interval '1 day'),
-       ('bloat-delayed-key-1', %(exchange)s, %(routing)s, 'bloat-delayed-key', '{}', now())
+SELECT format('bloat-delayed-key-%%s-%%s', k, r), %(exchange)s, %(routing)s,
+       'bloat-delayed-key-' || k, '{}', CASE r WHEN 0 THEN now() + interval '1 day' ELSE now() END
+FROM generate_series(0, %(keys)s - 1) AS k, generate_series(0, 1) AS r
+ORDER BY k, r
 """
 
 
@@ -140,7 +144,7 @@ def _delete_blocked_key(conn: psycopg.Connection[Any]) -> bool:
 
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
         bucket: float, delayed_row: bool = False, blocked_key: bool = False,
-        delayed_key: bool = False) -> dict[str, Any]:
+        delayed_keys: int = 0) -> dict[str, Any]:
     reset(servers)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
@@ -164,9 +168,9 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             sizes = {"before": table_size(sizer)}
             if delayed_row:
                 sizer.execute(_DELAYED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
-            if delayed_key:
-                sizer.execute(_DELAYED_KEY, {"exchange": EXCHANGE,
-                                             "routing": f"{ROUTING_PREFIX}0"})
+            if delayed_keys:
+                sizer.execute(_DELAYED_KEYS, {"exchange": EXCHANGE, "keys": delayed_keys,
+                                              "routing": f"{ROUTING_PREFIX}0"})
             if blocked_key:
                 sizer.execute(_BLOCKED, {"exchange": EXCHANGE, "routing": f"{ROUTING_PREFIX}0"})
         with psycopg.connect(servers.db_url) as holder:
@@ -189,9 +193,10 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
                     "DELETE FROM outbox WHERE message_id = 'bloat-delayed'").rowcount == 1
             if blocked_key:
                 blocked_left = _delete_blocked_key(sizer)
-            if delayed_key:  # both still there: the first not due, the second behind it
+            if delayed_keys:  # all still there: each key's first not due, its second behind it
                 delayed_key_left = sizer.execute(
-                    "DELETE FROM outbox WHERE ordering_key = 'bloat-delayed-key'").rowcount == 2
+                    "DELETE FROM outbox WHERE ordering_key LIKE 'bloat-delayed-key-%'"
+                ).rowcount == 2 * delayed_keys
             sizes["end"] = table_size(sizer)
     finally:
         stop.set()
@@ -205,7 +210,8 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             "resolver_settings": resolver_settings,
             **({"delayed_row_left_at_end": delayed_left} if delayed_row else {}),
             **({"blocked_key_left_at_end": blocked_left} if blocked_key else {}),
-            **({"delayed_key_left_at_end": delayed_key_left} if delayed_key else {})}
+            **({"delayed_keys": delayed_keys, "delayed_key_left_at_end": delayed_key_left}
+               if delayed_keys else {})}
 
 
 def resolver_compaction(resolver: processes.Program, timeout: float = 300.0) -> dict[str, Any]:

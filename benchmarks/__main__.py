@@ -52,6 +52,7 @@ from benchmarks import (
     recovery,
     report,
     soak,
+    statements,
     throughput,
 )
 from benchmarks.workload import Servers, code_version, declare_sink, say
@@ -135,6 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--delayed-keys", type=int, metavar="N",
         help="with --bloat/--snapshot: the same for N ordering keys (a reminder per customer; "
         "past 100 the relay holds no more of them)")
+    add("--statements", action="store_true",
+        help="with --bloat/--snapshot: PostgreSQL loads pg_stat_statements, and the run reports "
+        "the costliest statements of every bucket (calls, ms, buffers); a diagnosis: the "
+        "extension's own cost is in its latencies")
     add("--scenario-rate", type=int, default=500,
         help="offered load of --outage and --bloat, events/s")
     add("--keys", type=_ints, default=[], metavar="N,N",
@@ -161,6 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.delayed_keys < 0:
         parser.error("--delayed-keys: N must be 0 or more")
+    if args.statements and not (args.bloat or args.snapshot is not None):
+        parser.error("--statements: only with --bloat or --snapshot")
     if args.snapshot is not None:
         args.bloat, args.bloat_seconds = True, args.snapshot * 60
     if args.smoke:
@@ -303,7 +310,8 @@ def scenarios(args: argparse.Namespace, servers: Servers, rabbit: RabbitServer,
             servers, logdir, rate=rate, warm=min(30.0, args.bloat_seconds / 2),
             hold=args.bloat_seconds, tail=min(60.0, args.bloat_seconds / 2),
             bucket=60.0 if args.bloat_seconds >= 120 else 2.0, delayed_row=args.delayed_row,
-            blocked_key=args.blocked_key, delayed_keys=args.delayed_keys)
+            blocked_key=args.blocked_key, delayed_keys=args.delayed_keys,
+            statements=args.statements)
         bloat.print_table(results["bloat"])
     if args.outage:
         results["outage"] = outage.run(
@@ -343,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         say("starting PostgreSQL and RabbitMQ")
         # fsync on, as in production: PREPARE and COMMIT PREPARED each flush the WAL, and that
         # is part of what the 2PC cost measures.
-        pg = stack.enter_context(PostgresServer(max_prepared_transactions=16,
-                                                extra_conf={"fsync": "on"}))
+        conf = {"fsync": "on", **(statements.SERVER_CONF if args.statements else {})}
+        pg = stack.enter_context(PostgresServer(max_prepared_transactions=16, extra_conf=conf))
         rabbit = stack.enter_context(RabbitServer())
         migrate(pg.url, "outbox")
         declare_sink(rabbit.url, args.sink_queues, args.sink_type)

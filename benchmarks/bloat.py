@@ -29,7 +29,8 @@ until someone requeues or discards it. With ``delayed_keys`` N (``--delayed-keys
 ``--delayed-key`` is 1), N ordering keys each with a scheduled event due in a day and a second
 event of its key due at once, waiting behind it (per-key order) until the run deletes them at
 its end: a reminder per customer. Past the relay's limit of held keys (100) the claims' floor
-stays below them.
+stays below them. With ``statements`` (``--statements``), what each statement cost
+PostgreSQL in every bucket (benchmarks/statements.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import psycopg
 
 from benchmarks import processes
 from benchmarks.latency import percentile
+from benchmarks.statements import Sampler
 from benchmarks.steady import Consumer, Producer
 from benchmarks.workload import EXCHANGE, ROUTING_PREFIX, Servers, reset, say
 from outbox_relay.relay import store
@@ -144,8 +146,10 @@ def _delete_blocked_key(conn: psycopg.Connection[Any]) -> bool:
 
 def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, tail: float,
         bucket: float, delayed_row: bool = False, blocked_key: bool = False,
-        delayed_keys: int = 0) -> dict[str, Any]:
+        delayed_keys: int = 0, statements: bool = False) -> dict[str, Any]:
     reset(servers)
+    if statements:
+        Sampler.install(servers.db_url)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
         "OUTBOX_RESOLVER_COMPACT_AFTER_HOLD": f"{hold / 2:g}",
@@ -153,6 +157,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
     resolver = processes.resolver(servers, logdir, "bloat-resolver", **resolver_settings)
     programs = [resolver, processes.relay(servers, logdir, "bloat-relay")]
     probes: list[Probe] = []
+    sampler: Sampler | None = None
     delayed_left = blocked_left = delayed_key_left = False
     stop = threading.Event()
     prober = threading.Thread(target=_probe, args=(servers.db_url, stop, probes,
@@ -163,6 +168,9 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
         producer = Producer(servers, "bloat", rate, warm + hold + tail)
         origin = time.monotonic()
         prober.start()
+        if statements:
+            sampler = Sampler(servers.db_url, origin, bucket)
+            sampler.start()
         time.sleep(warm)
         with psycopg.connect(servers.db_url, autocommit=True) as sizer:
             sizes = {"before": table_size(sizer)}
@@ -200,6 +208,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
             sizes["end"] = table_size(sizer)
     finally:
         stop.set()
+        by_statement = sampler.stop() if sampler else None
         for program in programs:
             program.stop()
         final = consumer.stop()
@@ -208,6 +217,7 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
                         warm=warm, hold=hold, bucket=bucket, rate=rate)
     return {**summary, "table_size": sizes, "compact": compacted,
             "resolver_settings": resolver_settings,
+            **({"statements_by_bucket": by_statement} if by_statement is not None else {}),
             **({"delayed_row_left_at_end": delayed_left} if delayed_row else {}),
             **({"blocked_key_left_at_end": blocked_left} if blocked_key else {}),
             **({"delayed_keys": delayed_keys, "delayed_key_left_at_end": delayed_key_left}
@@ -290,3 +300,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"indexes {size['index_bytes_total']:,} B, n_dead_tup {size['n_dead_tup']}")
     if "compact" in result:
         say(f"  compact: {result['compact']}")
+    for row in result.get("statements_by_bucket", []):
+        say(f"  {row['from_s']:7.0f} s  statements {row['total_ms']:,.0f} ms; the costliest:")
+        for top in row["top"][:3]:
+            say(f"      {top['ms']:9,.1f} ms  {top['calls']:7,} calls  "
+                f"{top['ms_per_call']:8.3f} ms/call  {top['statement'][:70]}")

@@ -149,17 +149,22 @@ def test_the_snapshot_scenario_runs_in_its_short_form(tmp_path: Path) -> None:
     compacted it after the release (its own compaction, counting a hold from 15 s here) and
     at the end: the snapshot kept the claimed rows as dead tuples, the resolver gave their
     pages back. Three keys with a scheduled event each (--delayed-keys 3) are still there at
-    the end, each key's second event behind its first."""
+    the end, each key's second event behind its first. With --statements, every bucket names
+    its costliest statements (pg_stat_statements)."""
     out = tmp_path / "snapshot.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--snapshot", "0.5", "--scenario-rate", "100",
-         "--delayed-keys", "3", "--out", str(out), "--chart", "none"], cwd=ROOT,
+         "--delayed-keys", "3", "--statements", "--out", str(out), "--chart", "none"], cwd=ROOT,
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "p99" in result.stderr and "after_compact" in result.stderr
     run = json.loads(out.read_text())["bloat"]
     assert run["snapshot_held_s"] == 30 and run["offered_events_per_s"] == 100
     assert run["delayed_keys"] == 3 and run["delayed_key_left_at_end"] is True
+    costs = run["statements_by_bucket"]
+    assert len(costs) >= 15 and all(row["total_ms"] >= 0 for row in costs)
+    assert any("outbox" in top["statement"] and top["calls"] > 0
+               for row in costs for top in row["top"])
     held = [row for row in run["by_bucket"] if row["snapshot_held"]]
     assert held and all(row["events"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0 for row in held)
     sizes = run["table_size"]

@@ -1,4 +1,5 @@
-"""The benchmark's arithmetic: percentiles, latencies, the memory slope, a drained sink's count."""
+"""The benchmark's arithmetic: percentiles, latencies, the memory slope, a drained sink's count,
+the statements' costs by bucket."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from benchmarks.keys import HEADERS, _series
 from benchmarks.latency import latencies_ms, percentile
 from benchmarks.profile import phases
 from benchmarks.soak import slope_mb_per_hour
+from benchmarks.statements import label, top
 from benchmarks.workload import SinkDepth
 
 
@@ -92,3 +94,19 @@ def test_keys_series_gives_the_ratio_of_medians_and_each_rounds_own() -> None:
     assert keyed["ratio_to_keyless"] == 0.9 and keyed["ratio_to_headers"] == 1.35
     assert keyed["round_ratios"] == [0.5, 0.9, 0.9]
     assert "round_ratios" not in series["none"]["1"]
+
+
+def test_a_statement_is_named_by_its_text_without_comments() -> None:
+    query = "-- name: claim\n-- Step 1 /* not this */\nWITH live AS (\n    SELECT 1) /* x */ SELECT *\n"
+    assert label(query) == "WITH live AS ( SELECT 1) SELECT *"
+    assert label("SELECT " + "x, " * 50, width=20) == "SELECT x, x, x, x..."
+
+
+def test_the_costliest_statements_between_two_readings() -> None:
+    before = {1: ("SELECT a", 10, 100.0, 50), 2: ("SELECT b", 5, 10.0, 5)}
+    after = {1: ("SELECT a", 12, 130.0, 70), 2: ("SELECT b", 5, 10.0, 5),
+             3: ("SELECT c", 4, 80.0, 8)}
+    costs = top(before, after, count=1)
+    assert costs["total_ms"] == 110.0  # b was not called: left out
+    assert costs["top"] == [{"statement": "SELECT c", "calls": 4, "ms": 80.0,
+                             "ms_per_call": 20.0, "buffers": 8}]

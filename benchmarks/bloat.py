@@ -148,8 +148,6 @@ def run(servers: Servers, logdir: Path, *, rate: int, warm: float, hold: float, 
         bucket: float, delayed_row: bool = False, blocked_key: bool = False,
         delayed_keys: int = 0, statements: bool = False) -> dict[str, Any]:
     reset(servers)
-    if statements:
-        Sampler.install(servers.db_url)
     consumer = Consumer(servers, "bloat")
     resolver_settings = {} if hold >= 120 else {
         "OUTBOX_RESOLVER_COMPACT_AFTER_HOLD": f"{hold / 2:g}",

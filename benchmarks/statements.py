@@ -29,7 +29,7 @@ SELECT queryid, query, calls, total_exec_time,
        shared_blks_hit + shared_blks_read + local_blks_hit + local_blks_read
 FROM pg_stat_statements
 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND query NOT LIKE '%%pg_stat_statements%%'
+  AND query NOT LIKE '%pg_stat_statements%'
 """
 _COMMENT = re.compile(r"--[^\n]*|/\*.*?\*/", re.DOTALL)
 
@@ -66,14 +66,11 @@ class Sampler:
         self.buckets: list[dict[str, Any]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def install(db_url: str) -> None:
-        """The extension, its counters reset: call before the scenario starts."""
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            conn.execute("SELECT pg_stat_statements_reset()")
-
     def start(self) -> None:
+        """Create the extension (here, so that a server without it fails the run), then read
+        on the thread: every bucket's figures are differences of two readings."""
+        with psycopg.connect(self._url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         self._thread.start()
 
     def stop(self) -> list[dict[str, Any]]:
